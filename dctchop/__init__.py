@@ -1,0 +1,3 @@
+"""dctchop: blockwise-DCT compression of tensors into Zarr stores."""
+from dctchop._version import __version__
+

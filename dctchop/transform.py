@@ -1,0 +1,484 @@
+"""Blockwise orthonormal DCT-II with coefficient keep masks: the DCT+Chop transform.
+
+Each transformed axis is cut into blocks of ``block`` samples; inside each block only the first ``keep``
+DCT coefficients survive (the "chop"). The N-d transform is separable, so it runs as one pass per axis
+over a ``(outer, length, inner)`` view of the array: a pass multiplies each block by the truncated DCT
+matrix ``D_k`` (k x n). The innermost loop runs over the contiguous ``inner`` extent so it vectorises.
+Forward produces only the kept coefficients; inverse multiplies by ``D_kᵀ`` (equal to zero padding
+followed by the inverse DCT).
+
+Partial edge blocks. When an axis length ``L`` is not a multiple of ``block``, the remainder ``r = L % block``
+forms a last, shorter block transformed with a DCT of its own length ``r``, of which
+``ceil(r * keep / block)`` coefficients are kept. The kept count per axis is therefore
+``(L // block) * keep + ceil((L % block) * keep / block)`` = ``ceil(L * keep / block)``: the nominal ratio is
+reached for any length (28 with block 8, keep 4 keeps 14 values, exactly 2x), with no padding.
+
+Masks. ``square`` keeps indices ``i_d < k_d`` on every axis (the paper's chop). ``triangle`` keeps
+``sum_d i_d / k_d < 1`` (``i + j < k`` when k is equal on both axes), the zig-zag/diagonal variant.
+
+Coefficient order. Kept coefficients are stored band-major: every block's band (0,0) first, then (0,1), …,
+so the lossless stage sees like values together. Blocks are grouped by shape (full blocks, then each kind of
+edge block) and within a band they follow the array's C order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numba
+import numpy as np
+
+from dctchop.errors import DctchopError
+
+BLOCK_MIN = 2
+BLOCK_MAX = 64
+MASKS = ("square", "triangle")
+SUPPORTED_DTYPES = tuple(np.dtype(t) for t in ("uint8", "uint16", "int16", "float16", "float32", "float64"))
+
+
+def dct_matrix(n: int) -> np.ndarray:
+    """Orthonormal DCT-II matrix D (n x n, float64): ``coefficients = D @ x``, ``x = D.T @ coefficients``."""
+    k = np.arange(n)[:, None]
+    j = np.arange(n)[None, :]
+    d = np.cos(np.pi * (2 * j + 1) * k / (2 * n)) * np.sqrt(2.0 / n)
+    d[0] /= np.sqrt(2.0)
+    return d
+
+
+def kept_length(length: int, block: int, keep: int) -> int:
+    """Number of coefficients kept along one axis of ``length`` samples (edge block kept proportionally)."""
+    full, rest = divmod(length, block)
+    return full * keep + (-(-rest * keep // block) if rest else 0)
+
+
+def work_dtype(dtype: np.dtype) -> np.dtype:
+    """Arithmetic precision: float64 for float64 data, float32 for everything else."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class AxisPlan:
+    """How one axis of a given length is cut into blocks and which coefficients of each block are kept.
+
+    Row ``r`` of the axis' coefficient vector is band ``band[r]`` of the block that starts at sample
+    ``start[r]`` and has ``width[r]`` samples, whose ``block_keep[r]`` first bands are kept; ``matrix[r]``
+    holds that block's DCT row (zero beyond ``width[r]``).
+    """
+
+    length: int
+    block: int
+    keep: int
+    matrix: np.ndarray = field(repr=False)
+    start: np.ndarray = field(repr=False)
+    width: np.ndarray = field(repr=False)
+    band: np.ndarray = field(repr=False)
+    block_keep: np.ndarray = field(repr=False)
+    # per block: first coefficient row, number of rows, first sample, number of samples
+    block_rows: np.ndarray = field(repr=False)
+
+    @property
+    def kept(self) -> int:
+        return int(self.matrix.shape[0])
+
+
+@lru_cache(maxsize=256)
+def axis_plan(length: int, block: int, keep: int) -> AxisPlan:
+    full, rest = divmod(length, block)
+    widths = [block] * full + ([rest] if rest else [])
+    rows, starts, wid, bands, bkeep, block_rows = [], [], [], [], [], []
+    offset = 0
+    for w in widths:
+        k = min(w, keep if w == block else -(-w * keep // block))
+        d = dct_matrix(w)[:k]
+        block_rows.append((len(rows), k, offset, w))
+        for b in range(k):
+            row = np.zeros(block)
+            row[:w] = d[b]
+            rows.append(row)
+            starts.append(offset)
+            wid.append(w)
+            bands.append(b)
+            bkeep.append(k)
+        offset += w
+    as_int = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+    return AxisPlan(
+        length=length,
+        block=block,
+        keep=keep,
+        matrix=np.asarray(rows, dtype=np.float64).reshape(len(rows), block),
+        start=as_int(starts),
+        width=as_int(wid),
+        band=as_int(bands),
+        block_keep=as_int(bkeep),
+        block_rows=as_int(block_rows).reshape(-1, 4),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+# One forward and one inverse kernel per view shape: (outer, length, inner) with inner > 1 vectorises over
+# inner; (outer, length) handles the last axis. All release the GIL.
+
+
+@numba.njit(nogil=True, cache=True)
+def _forward_3d(src, dst, mat, start, width):  # pragma: no cover - compiled
+    n_outer, _, n_inner = src.shape
+    n_rows = dst.shape[1]
+    for o in range(n_outer):
+        for r in range(n_rows):
+            s = start[r]
+            for i in range(n_inner):
+                dst[o, r, i] = 0.0
+            for j in range(width[r]):
+                m = mat[r, j]
+                for i in range(n_inner):
+                    dst[o, r, i] += m * src[o, s + j, i]
+
+
+# The last axis is contiguous, so a pass along it would be a short scalar dot product per output. Instead,
+# TILE rows are transposed into a small buffer, transformed with the same vectorised loop as the other axes,
+# and transposed back: about 4x faster than the scalar form.
+TILE = 64
+
+
+@numba.njit(nogil=True, cache=True)
+def _forward_2d(src, dst, mat, start, width):  # pragma: no cover - compiled
+    n_outer, length = src.shape
+    n_rows = dst.shape[1]
+    tin = np.empty((length, TILE), dtype=mat.dtype)
+    tout = np.empty((n_rows, TILE), dtype=mat.dtype)
+    for o0 in range(0, n_outer, TILE):
+        t = min(TILE, n_outer - o0)
+        for i in range(t):
+            for j in range(length):
+                tin[j, i] = src[o0 + i, j]
+        for r in range(n_rows):
+            s = start[r]
+            for i in range(TILE):
+                tout[r, i] = 0.0
+            for j in range(width[r]):
+                m = mat[r, j]
+                for i in range(TILE):
+                    tout[r, i] += m * tin[s + j, i]
+        for i in range(t):
+            for r in range(n_rows):
+                dst[o0 + i, r] = tout[r, i]
+
+
+@numba.njit(inline="always")
+def _store(value, lo, hi, is_int):  # pragma: no cover - compiled
+    if is_int:
+        value = np.floor(value + 0.5)
+        if value < lo:
+            value = lo
+        elif value > hi:
+            value = hi
+    return value
+
+
+@numba.njit(nogil=True, cache=True)
+def _inverse_3d(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+    n_outer, _, n_inner = src.shape
+    acc = np.empty(n_inner, dtype=mat.dtype)
+    for o in range(n_outer):
+        for b in range(block_rows.shape[0]):
+            r0, nr, s0, w = block_rows[b, 0], block_rows[b, 1], block_rows[b, 2], block_rows[b, 3]
+            for j in range(w):
+                for i in range(n_inner):
+                    acc[i] = 0.0
+                for r in range(r0, r0 + nr):
+                    m = mat[r, j]
+                    for i in range(n_inner):
+                        acc[i] += m * src[o, r, i]
+                for i in range(n_inner):
+                    dst[o, s0 + j, i] = _store(acc[i], lo, hi, is_int)
+
+
+@numba.njit(nogil=True, cache=True)
+def _inverse_2d(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+    n_outer, n_rows = src.shape
+    length = dst.shape[1]
+    tin = np.empty((n_rows, TILE), dtype=mat.dtype)
+    tout = np.empty((length, TILE), dtype=mat.dtype)
+    for o0 in range(0, n_outer, TILE):
+        t = min(TILE, n_outer - o0)
+        for i in range(t):
+            for r in range(n_rows):
+                tin[r, i] = src[o0 + i, r]
+        for b in range(block_rows.shape[0]):
+            r0, nr, s0, w = block_rows[b, 0], block_rows[b, 1], block_rows[b, 2], block_rows[b, 3]
+            for j in range(w):
+                for i in range(TILE):
+                    tout[s0 + j, i] = 0.0
+                for r in range(r0, r0 + nr):
+                    m = mat[r, j]
+                    for i in range(TILE):
+                        tout[s0 + j, i] += m * tin[r, i]
+        for i in range(t):
+            for j in range(length):
+                dst[o0 + i, j] = _store(tout[j, i], lo, hi, is_int)
+
+
+# ---------------------------------------------------------------------------------------------- threads
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dctchop")
+    return _POOLS[threads]
+
+
+def resolve_threads(threads: int | None) -> int:
+    """``None`` or 0 means one thread per available core."""
+    if not threads:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads < 0:
+        raise DctchopError(f"threads must be >= 0, got {threads}")
+    return threads
+
+
+def _run_split(kernel, src, dst, args, threads: int) -> None:
+    """Run ``kernel(src, dst, *args)`` split over the outer (or, when that is too short, inner) dimension."""
+    n_outer = src.shape[0]
+    if threads <= 1 or src.size < 1 << 16:
+        kernel(src, dst, *args)
+        return
+    if n_outer >= threads or src.ndim == 2:
+        parts = np.array_split(np.arange(n_outer), min(threads, n_outer))
+        jobs = [(src[p[0] : p[-1] + 1], dst[p[0] : p[-1] + 1]) for p in parts if len(p)]
+    else:
+        parts = np.array_split(np.arange(src.shape[2]), threads)
+        jobs = [(src[:, :, p[0] : p[-1] + 1], dst[:, :, p[0] : p[-1] + 1]) for p in parts if len(p)]
+    for future in [_pool(threads).submit(kernel, s, d, *args) for s, d in jobs]:
+        future.result()
+
+
+def _axis_view(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
+
+
+# ---------------------------------------------------------------------------------------------- plans
+
+
+def _check_settings(shape, axes, block, keep, mask) -> None:
+    ndim = len(shape)
+    if not 1 <= len(axes) <= 3:
+        raise DctchopError(f"transform 1, 2 or 3 axes, got {len(axes)}")
+    if len(set(axes)) != len(axes) or any(not 0 <= a < ndim for a in axes):
+        raise DctchopError(f"axes {list(axes)} are not distinct axes of a {ndim}-d array")
+    if list(axes) != sorted(axes):
+        raise DctchopError(f"axes must be increasing, got {list(axes)}")
+    if len(block) != len(axes) or len(keep) != len(axes):
+        raise DctchopError("block and keep need one value per transformed axis")
+    for b, k in zip(block, keep):
+        if not BLOCK_MIN <= b <= BLOCK_MAX:
+            raise DctchopError(f"block size must be {BLOCK_MIN}..{BLOCK_MAX}, got {b}")
+        if not 1 <= k <= b:
+            raise DctchopError(f"keep must be 1..block ({b}), got {k}")
+    if mask not in MASKS:
+        raise DctchopError(f"mask must be one of {', '.join(MASKS)}, got {mask!r}")
+
+
+@dataclass(frozen=True)
+class TransformPlan:
+    """Everything needed to transform arrays of one shape with one setting; built once per chunk shape."""
+
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    block: tuple[int, ...]
+    keep: tuple[int, ...]
+    mask: str
+    axis_plans: tuple[AxisPlan, ...] = field(repr=False)
+
+    @property
+    def coefficient_shape(self) -> tuple[int, ...]:
+        """Shape of the (square-kept) coefficient image: each transformed axis shortened to its kept length."""
+        shape = list(self.shape)
+        for a, p in zip(self.axes, self.axis_plans):
+            shape[a] = p.kept
+        return tuple(shape)
+
+    @property
+    def bands(self) -> tuple[tuple[int, ...], ...]:
+        """Band tuples kept in a full block, in storage order; per-band quantization steps follow it."""
+        return _full_block_bands(self.keep, self.mask)
+
+    @property
+    def n_values(self) -> int:
+        """Number of stored coefficients."""
+        return int(self.order[0].size)
+
+    @property
+    def order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(index, segment starts, segment bands): storage position -> flat coefficient-image position,
+        the storage positions where each band run starts (plus the end), and the band index of each run."""
+        return _storage_order(self.shape, self.axes, self.block, self.keep, self.mask)
+
+
+def make_plan(shape, axes, block=8, keep=4, mask="square") -> TransformPlan:
+    """Validate a setting for arrays of ``shape`` and return its (cached) plan.
+
+    ``block`` and ``keep`` are an int (same on every axis) or one value per transformed axis.
+    """
+    shape = tuple(int(s) for s in shape)
+    axes = tuple(int(a) % len(shape) if len(shape) else int(a) for a in np.atleast_1d(axes))
+    block = tuple(int(b) for b in np.broadcast_to(np.atleast_1d(block), (len(axes),)))
+    keep = tuple(int(k) for k in np.broadcast_to(np.atleast_1d(keep), (len(axes),)))
+    _check_settings(shape, axes, block, keep, mask)
+    return _plan(shape, axes, block, keep, mask)
+
+
+@lru_cache(maxsize=64)
+def _plan(shape, axes, block, keep, mask) -> TransformPlan:
+    plans = tuple(axis_plan(shape[a], b, k) for a, b, k in zip(axes, block, keep))
+    return TransformPlan(shape, axes, block, keep, mask, plans)
+
+
+@lru_cache(maxsize=64)
+def _full_block_bands(keep: tuple[int, ...], mask: str) -> tuple[tuple[int, ...], ...]:
+    grid = np.indices(keep).reshape(len(keep), -1).T
+    if mask == "triangle":
+        grid = grid[_in_triangle([grid[:, d] for d in range(len(keep))], list(keep))]
+    return tuple(tuple(int(v) for v in row) for row in grid)
+
+
+def _in_triangle(bands, keeps):
+    """``sum_d band_d / keep_d < 1`` in exact integer arithmetic (works on broadcasting arrays)."""
+    lhs = sum(b * math.prod(k for e, k in enumerate(keeps) if e != d) for d, b in enumerate(bands))
+    return lhs < math.prod(keeps)
+
+
+@lru_cache(maxsize=16)
+def _storage_order(shape, axes, block, keep, mask):
+    plan = _plan(shape, axes, block, keep, mask)
+    cshape = plan.coefficient_shape
+    ndim = len(shape)
+
+    def along(values, d):
+        view = [1] * ndim
+        view[axes[d]] = -1
+        return np.asarray(values).reshape(view)
+
+    bands = [along(p.band, d) for d, p in enumerate(plan.axis_plans)]
+    bkeeps = [along(p.block_keep, d) for d, p in enumerate(plan.axis_plans)]
+    if mask == "triangle":
+        inside = np.broadcast_to(_in_triangle(bands, bkeeps), cshape)
+    else:
+        inside = np.ones(cshape, dtype=bool)
+    band_list = plan.bands
+    band_index = {b: i for i, b in enumerate(band_list)}
+    # rank of (block group, band): group says which axes sit in an edge block
+    n_groups = 1 << len(axes)
+    lut_shape = (n_groups, *keep)
+    rank_lut = np.full(lut_shape, -1, dtype=np.int64)
+    band_of_rank = []
+    for g in range(n_groups):
+        for b in band_list:
+            rank_lut[(g, *b)] = len(band_of_rank)
+            band_of_rank.append(band_index[b])
+    group = 0
+    for d, p in enumerate(plan.axis_plans):
+        group = group + along((p.width != p.block).astype(np.int64) << d, d)
+    rank = rank_lut[(np.broadcast_to(group, cshape), *[np.broadcast_to(b, cshape) for b in bands])]
+    flat_inside = np.flatnonzero(inside)
+    ranks = rank.ravel()[flat_inside]
+    order = np.argsort(ranks, kind="stable")
+    index = flat_inside[order]
+    sorted_ranks = ranks[order]
+    starts = np.flatnonzero(np.diff(sorted_ranks, prepend=-1)) if index.size else np.zeros(0, np.int64)
+    seg_bands = np.asarray(band_of_rank, dtype=np.int64)[sorted_ranks[starts]]
+    seg_starts = np.append(starts, index.size).astype(np.int64)
+    for arr in (index, seg_starts, seg_bands):
+        arr.setflags(write=False)
+    return index, seg_starts, seg_bands
+
+
+# ---------------------------------------------------------------------------------------------- transforms
+
+
+def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
+    """Blockwise DCT of ``x`` keeping the square set of coefficients: the coefficient image.
+
+    The result has ``plan.coefficient_shape`` and the work dtype (float64 for float64 data, else float32).
+    The triangle mask is applied by :func:`gather`, which picks the stored coefficients out of this image.
+    """
+    if x.shape != plan.shape:
+        raise DctchopError(f"array shape {x.shape} does not match plan shape {plan.shape}")
+    wdt = work_dtype(x.dtype)
+    cur = np.ascontiguousarray(x if x.dtype != np.float16 else x.astype(np.float32))
+    shape = list(cur.shape)
+    for a, p in zip(plan.axes, plan.axis_plans):
+        n_outer, length, n_inner = _axis_view(tuple(shape), a)
+        shape[a] = p.kept
+        out = np.empty(shape, dtype=wdt)
+        mat = p.matrix.astype(wdt)
+        if n_inner == 1:
+            _run_split(_forward_2d, cur.reshape(n_outer, length), out.reshape(n_outer, p.kept),
+                       (mat, p.start, p.width), threads)
+        else:
+            _run_split(_forward_3d, cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner),
+                       (mat, p.start, p.width), threads)
+        cur = out
+    return cur
+
+
+def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int = 1) -> np.ndarray:
+    """Inverse of :func:`forward`: coefficient image -> array of ``plan.shape`` and ``dtype``.
+
+    Integer dtypes are rounded to nearest and clipped to their range in the last pass.
+    """
+    dtype = np.dtype(dtype)
+    wdt = work_dtype(dtype)
+    cur = np.ascontiguousarray(coefficients, dtype=wdt)
+    if cur.shape != plan.coefficient_shape:
+        raise DctchopError(f"coefficient shape {cur.shape} does not match {plan.coefficient_shape}")
+    shape = list(cur.shape)
+    n_axes = len(plan.axes)
+    for step, (a, p) in enumerate(zip(reversed(plan.axes), reversed(plan.axis_plans))):
+        last = step == n_axes - 1
+        n_outer, kept, n_inner = _axis_view(tuple(shape), a)
+        shape[a] = p.length
+        out_dtype = dtype if last and dtype.kind in "iu" else (np.float32 if last and dtype == np.float16 else wdt)
+        out = np.empty(shape, dtype=out_dtype)
+        if dtype.kind in "iu" and last:
+            info = np.iinfo(dtype)
+            lo, hi, is_int = float(info.min), float(info.max), True
+        else:
+            lo, hi, is_int = 0.0, 0.0, False
+        args = (p.matrix.astype(wdt), p.block_rows, lo, hi, is_int)
+        if n_inner == 1:
+            _run_split(_inverse_2d, cur.reshape(n_outer, kept), out.reshape(n_outer, p.length), args, threads)
+        else:
+            _run_split(_inverse_3d, cur.reshape(n_outer, kept, n_inner), out.reshape(n_outer, p.length, n_inner),
+                       args, threads)
+        cur = out
+    return cur.astype(dtype, copy=False)
+
+
+def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:
+    """Stored coefficients in band-major order (mask applied), as a 1-D array."""
+    index = plan.order[0]
+    return coefficients.reshape(-1)[index]
+
+
+def scatter(values: np.ndarray, plan: TransformPlan, dtype) -> np.ndarray:
+    """Inverse of :func:`gather`: a coefficient image with zeros where nothing was stored."""
+    index = plan.order[0]
+    out = np.zeros(math.prod(plan.coefficient_shape), dtype=dtype)
+    out[index] = values
+    return out.reshape(plan.coefficient_shape)
+
+
+def compress_array(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
+    """Forward transform + mask + band-major order: the stored coefficients of ``x``."""
+    return gather(forward(x, plan, threads), plan)
+
+
+def decompress_array(values: np.ndarray, plan: TransformPlan, dtype, threads: int = 1) -> np.ndarray:
+    """Inverse of :func:`compress_array`."""
+    return inverse(scatter(values, plan, work_dtype(dtype)), plan, dtype, threads)
