@@ -1,0 +1,383 @@
+"""The dctchop chunk format and its Zarr v3 array-to-bytes codec.
+
+An encoded chunk decodes on its own: a small little-endian header, then the stored coefficients band-major.
+
+======  ==========  =========================================================================
+offset  type        field
+======  ==========  =========================================================================
+0       4 bytes     magic ``DCTC``
+4       u8          format version (:data:`FORMAT_VERSION`)
+5       u8          data dtype code (:data:`DTYPE_CODES`)
+6       u8          precision code (:data:`PRECISION_CODES`)
+7       u8          mask code (0 square, 1 triangle)
+8       u8          ndim of the chunk (1..32)
+9       u8          number of transformed axes (1..3)
+10      u16         reserved, 0
+12      u32 x ndim  chunk shape
+..      u8 x naxes  axes, then block sizes, then keep counts
+..      u32         number of steps: 0 (all steps are 1) or the number of bands of a full block
+..      f64 x n     per-band steps, in :attr:`TransformPlan.bands` order
+..      u64         number of stored values
+..      payload     stored values in the precision's storage dtype
+======  ==========  =========================================================================
+
+Every field is checked before anything is allocated from it; the chunk shape must equal the shape the
+caller expects (Zarr's chunk spec), so a damaged header can neither crash the decoder nor make it allocate
+more than one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from zarr.abc.codec import ArrayBytesCodec
+from zarr.core.common import parse_named_configuration
+
+from dctchop import quantize as qz
+from dctchop.errors import CorruptChunkError, DctchopError
+from dctchop.transform import MASKS, SUPPORTED_DTYPES, decompress_array, forward, gather, make_plan, work_dtype
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from zarr.core.array_spec import ArraySpec
+    from zarr.core.buffer import Buffer, NDBuffer
+
+CODEC_NAME = "dctchop"
+MAGIC = b"DCTC"
+FORMAT_VERSION = 1
+DTYPE_CODES = {np.dtype(t): i for i, t in enumerate(("uint8", "uint16", "int16", "float16", "float32", "float64"))}
+PRECISION_CODES = {p: i for i, p in enumerate(qz.PRECISIONS)}
+MAX_NDIM = 32
+_FIXED = struct.Struct("<4sBBBBBBH")
+
+
+@dataclass(frozen=True)
+class ChunkSettings:
+    """What the encoder needs to know besides the data. ``step`` and ``target_psnr`` apply to the integer
+    precisions (exactly one of them); ``peak`` is the PSNR peak for ``target_psnr`` on float data."""
+
+    axes: tuple[int, ...]
+    block: tuple[int, ...]
+    keep: tuple[int, ...]
+    mask: str = "square"
+    precision: str = "float32"
+    step: float | None = None
+    target_psnr: float | None = None
+    peak: float | None = None
+    weights: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        qz.check_precision(self.precision)
+        if self.mask not in MASKS:
+            raise DctchopError(f"mask must be one of {', '.join(MASKS)}, got {self.mask!r}")
+        quantized = self.precision in qz.INT_PRECISIONS
+        if quantized and (self.step is None) == (self.target_psnr is None):
+            raise DctchopError(f"precision {self.precision} needs exactly one of step or target_psnr")
+        if not quantized and (self.step is not None or self.target_psnr is not None):
+            raise DctchopError(f"step and target_psnr apply to int8/int16, not {self.precision}")
+        if self.step is not None and not (math.isfinite(self.step) and self.step > 0):
+            raise DctchopError(f"step must be a positive number, got {self.step}")
+
+
+# ---------------------------------------------------------------------------------------------- encode
+
+
+def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> bytes:
+    """Compress one chunk into a self-describing byte string."""
+    if x.dtype not in DTYPE_CODES:
+        raise DctchopError(f"unsupported dtype {x.dtype}; supported: {', '.join(map(str, DTYPE_CODES))}")
+    x = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("="))
+    plan = make_plan(x.shape, settings.axes, settings.block, settings.keep, settings.mask)
+    _, seg_starts, seg_bands = plan.order
+    values = gather(forward(x, plan, threads), plan)
+    maxabs = qz.band_maxabs(values, seg_starts, seg_bands, len(plan.bands))
+    weights = None if settings.weights is None else np.asarray(settings.weights, dtype=np.float64)
+    if weights is not None and weights.size != len(plan.bands):
+        raise DctchopError(f"weights need one value per band ({len(plan.bands)}), got {weights.size}")
+    if settings.target_psnr is not None:
+        step = _step_for_psnr(x, values, maxabs, plan, settings, weights)
+    else:
+        step = settings.step
+    steps = qz.choose_steps(maxabs, settings.precision, step, weights)
+    stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
+    unit = settings.precision in ("float32", "bfloat16")
+    return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size) + stored.tobytes()
+
+
+def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) -> float:
+    """Largest base step whose exact error meets the chunk's PSNR target (bisection in log space).
+
+    When the mask alone already misses the target, the finest step the precision allows is returned and
+    the chunk falls short; the store records the PSNR actually reached.
+    """
+    peak = qz.dtype_peak(x.dtype) or settings.peak
+    if peak is None:
+        finite = x.astype(np.float64)
+        peak = float(finite.max() - finite.min()) if x.size else 0.0
+    n = _counted_values(x, plan.axes)
+    integer = x.dtype.kind in "iu"
+    target_sse = n * (peak**2 / 10 ** (settings.target_psnr / 10) - (1 / 12 if integer else 0.0))
+    _, seg_starts, seg_bands = plan.order
+    dropped = max(float(np.sum(x.astype(np.float64) ** 2) - np.sum(values.astype(np.float64) ** 2)), 0.0)
+
+    def sse(step):
+        steps = qz.choose_steps(maxabs, settings.precision, step, weights)
+        return dropped + qz.coefficient_error(values, steps, seg_starts, seg_bands, settings.precision)
+
+    finest = max(float(np.max(maxabs)) / qz.QMAX[settings.precision], 1e-30) if maxabs.size else 1.0
+    finest = finest / 1024
+    coarsest = max(float(np.max(maxabs)) * 4, finest * 2)
+    if sse(coarsest) <= target_sse:
+        return coarsest
+    if sse(finest) > target_sse:
+        return finest
+    lo, hi = math.log(finest), math.log(coarsest)
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if sse(math.exp(mid)) <= target_sse:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 0.01:
+            break
+    return math.exp(lo)
+
+
+def _counted_values(x: np.ndarray, axes: tuple[int, ...]) -> int:
+    """Values a chunk's PSNR target is measured over. Zarr pads edge chunks with zeros; an all-zero sample
+    along an untransformed axis 0 decodes exactly, so leaving such samples out is conservative and keeps
+    the target true for the real samples of a partial chunk."""
+    if 0 in axes or x.shape[0] == 0:
+        return x.size
+    occupied = int(np.count_nonzero(np.any(x.reshape(x.shape[0], -1) != 0, axis=1)))
+    return max(occupied, 1) * (x.size // x.shape[0])
+
+
+def _header(shape, dtype, settings: ChunkSettings, steps, n_values: int) -> bytes:
+    naxes = len(settings.axes)
+    parts = [
+        _FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[np.dtype(dtype).newbyteorder("=")],
+                    PRECISION_CODES[settings.precision], MASKS.index(settings.mask), len(shape), naxes, 0),
+        struct.pack(f"<{len(shape)}I", *shape),
+        struct.pack(f"<{3 * naxes}B", *settings.axes, *settings.block, *settings.keep),
+        struct.pack("<I", 0 if steps is None else len(steps)),
+    ]
+    if steps is not None:
+        parts.append(np.asarray(steps, dtype="<f8").tobytes())
+    parts.append(struct.pack("<Q", n_values))
+    return b"".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """The decoded header of one chunk; ``payload_offset`` is where the stored values begin."""
+
+    dtype: np.dtype
+    precision: str
+    mask: str
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    block: tuple[int, ...]
+    keep: tuple[int, ...]
+    steps: np.ndarray | None = field(repr=False)
+    n_values: int
+    payload_offset: int
+
+
+def read_header(data: bytes | memoryview) -> ChunkHeader:
+    """Parse and check a chunk header; raise :class:`CorruptChunkError` naming the bad field."""
+    data = memoryview(data).cast("B")
+    if len(data) < _FIXED.size:
+        raise CorruptChunkError(f"chunk is {len(data)} bytes, shorter than the {_FIXED.size}-byte header")
+    magic, version, dtype_code, prec_code, mask_code, ndim, naxes, reserved = _FIXED.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise CorruptChunkError(f"not a dctchop chunk (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise CorruptChunkError(
+            f"chunk format version {version} is not supported by this dctchop (reads version {FORMAT_VERSION})"
+            + ("; upgrade dctchop" if version > FORMAT_VERSION else "")
+        )
+    dtypes = list(DTYPE_CODES)
+    if dtype_code >= len(dtypes) or prec_code >= len(qz.PRECISIONS) or mask_code >= len(MASKS):
+        raise CorruptChunkError(f"bad code in chunk header (dtype {dtype_code}, precision {prec_code}, "
+                                f"mask {mask_code})")
+    if not 1 <= ndim <= MAX_NDIM or not 1 <= naxes <= 3 or reserved:
+        raise CorruptChunkError(f"bad chunk header (ndim {ndim}, axes {naxes}, reserved {reserved})")
+    pos = _FIXED.size
+    need = pos + 4 * ndim + 3 * naxes + 4
+    if len(data) < need:
+        raise CorruptChunkError("chunk header is truncated")
+    shape = struct.unpack_from(f"<{ndim}I", data, pos)
+    pos += 4 * ndim
+    fields = struct.unpack_from(f"<{3 * naxes}B", data, pos)
+    pos += 3 * naxes
+    (n_steps,) = struct.unpack_from("<I", data, pos)
+    pos += 4
+    if n_steps > 64**3 or len(data) < pos + 8 * n_steps + 8:
+        raise CorruptChunkError(f"chunk header is truncated or has a bad step count ({n_steps})")
+    steps = np.frombuffer(data, dtype="<f8", count=n_steps, offset=pos).astype(np.float64) if n_steps else None
+    pos += 8 * n_steps
+    (n_values,) = struct.unpack_from("<Q", data, pos)
+    pos += 8
+    return ChunkHeader(
+        dtype=dtypes[dtype_code],
+        precision=qz.PRECISIONS[prec_code],
+        mask=MASKS[mask_code],
+        shape=tuple(shape),
+        axes=tuple(fields[:naxes]),
+        block=tuple(fields[naxes : 2 * naxes]),
+        keep=tuple(fields[2 * naxes :]),
+        steps=steps,
+        n_values=n_values,
+        payload_offset=pos,
+    )
+
+
+def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, threads: int = 1) -> np.ndarray:
+    """Decode one chunk that must hold an array of ``shape`` and ``dtype``.
+
+    Raises :class:`CorruptChunkError` for anything that is not a valid chunk of that shape and dtype.
+    """
+    header = read_header(data)
+    shape = tuple(int(s) for s in shape)
+    if header.shape != shape or header.dtype != np.dtype(dtype).newbyteorder("="):
+        raise CorruptChunkError(f"chunk holds {header.dtype}{list(header.shape)}, expected "
+                                f"{np.dtype(dtype)}{list(shape)}")
+    try:
+        plan = make_plan(header.shape, header.axes, header.block, header.keep, header.mask)
+    except DctchopError as e:
+        raise CorruptChunkError(f"bad transform settings in chunk header: {e}") from None
+    if header.axes != plan.axes:
+        raise CorruptChunkError(f"bad axes in chunk header: {list(header.axes)}")
+    _, seg_starts, seg_bands = plan.order
+    if header.n_values != plan.n_values:
+        raise CorruptChunkError(f"chunk says {header.n_values} values, its settings give {plan.n_values}")
+    unit = header.precision in ("float32", "bfloat16")
+    steps = header.steps
+    if unit:
+        if steps is not None:
+            raise CorruptChunkError(f"{header.precision} chunk must not carry steps")
+        steps = np.ones(len(plan.bands))
+    elif steps is None or steps.size != len(plan.bands) or not np.all(np.isfinite(steps) & (steps > 0)):
+        raise CorruptChunkError("chunk steps are missing, of the wrong count, or not positive and finite")
+    storage = qz.STORAGE_DTYPES[header.precision]
+    payload = memoryview(data).cast("B")[header.payload_offset :]
+    if len(payload) != header.n_values * storage.itemsize:
+        raise CorruptChunkError(f"chunk payload is {len(payload)} bytes, expected "
+                                f"{header.n_values * storage.itemsize}")
+    stored = np.frombuffer(payload, dtype=storage)
+    values = qz.dequantize(stored, steps, seg_starts, seg_bands, header.precision, work_dtype(header.dtype))
+    if not np.all(np.isfinite(values)):
+        raise CorruptChunkError("chunk holds non-finite coefficients")
+    return decompress_array(values, plan, header.dtype, threads)
+
+
+# ---------------------------------------------------------------------------------------------- zarr codec
+
+
+def _native_dtype(dtype: Any) -> np.dtype:
+    """zarr >= 3.1 passes a ZDType wrapper; older code paths a numpy dtype."""
+    return np.dtype(dtype.to_native_dtype() if hasattr(dtype, "to_native_dtype") else dtype)
+
+
+def _int_tuple(value, name: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, int) for v in value):
+        raise DctchopError(f"dctchop codec: {name} must be a non-empty list of integers, got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class DctChopCodec(ArrayBytesCodec):
+    """Zarr v3 array-to-bytes codec: blockwise DCT, keep mask, per-band quantization (see module docs).
+
+    The configuration names every field, defaults included, so ``zarr.json`` fully describes the encoder.
+    """
+
+    is_fixed_size = False
+
+    axes: tuple[int, ...]
+    block: tuple[int, ...]
+    keep: tuple[int, ...]
+    mask: str = "square"
+    precision: str = "float32"
+    step: float | None = None
+    target_psnr: float | None = None
+    peak: float | None = None
+    weights: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("axes", "block", "keep"):
+            object.__setattr__(self, name, _int_tuple(list(getattr(self, name)), name))
+        if self.weights is not None:
+            object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
+        self.settings  # validate  # noqa: B018
+
+    @property
+    def settings(self) -> ChunkSettings:
+        return ChunkSettings(self.axes, self.block, self.keep, self.mask, self.precision, self.step,
+                             self.target_psnr, self.peak, self.weights)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        _, config = parse_named_configuration(data, CODEC_NAME)
+        config = dict(config or {})
+        version = config.pop("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise DctchopError(f"dctchop codec format_version {version} is not supported by this dctchop "
+                               f"(reads version {FORMAT_VERSION})")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(config) - known
+        if unknown:
+            raise DctchopError(f"dctchop codec: unknown configuration fields {sorted(unknown)}")
+        return cls(**config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": CODEC_NAME,
+            "configuration": {
+                "format_version": FORMAT_VERSION,
+                "axes": list(self.axes),
+                "block": list(self.block),
+                "keep": list(self.keep),
+                "mask": self.mask,
+                "precision": self.precision,
+                "step": self.step,
+                "target_psnr": self.target_psnr,
+                "peak": self.peak,
+                "weights": None if self.weights is None else list(self.weights),
+            },
+        }
+
+    def validate(self, *, shape, dtype, chunk_grid) -> None:
+        native = _native_dtype(dtype)
+        if native.newbyteorder("=") not in DTYPE_CODES:
+            raise DctchopError(f"dctchop codec does not support dtype {native}")
+        chunk_shape = getattr(chunk_grid, "chunk_shape", shape)
+        make_plan(chunk_shape, self.axes, self.block, self.keep, self.mask)
+
+    def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
+        x = np.asarray(chunk_array.as_numpy_array())
+        return chunk_spec.prototype.buffer.from_bytes(encode_chunk(x, self.settings))
+
+    def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
+        dtype = _native_dtype(chunk_spec.dtype)
+        out = decode_chunk(chunk_bytes.as_numpy_array(), chunk_spec.shape, dtype)
+        return chunk_spec.prototype.nd_buffer.from_numpy_array(out.astype(dtype, copy=False))
+
+    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
+        return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
+
+    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
+        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+    def compute_encoded_size(self, input_byte_length: int, chunk_spec: ArraySpec) -> int:
+        raise NotImplementedError

@@ -1,0 +1,148 @@
+"""How kept coefficients are stored: precision, per-band steps, and the error that costs.
+
+Every stored value is ``coefficient / step[band]`` cast to the storage precision; decoding multiplies back.
+
+Chop (fixed-size) precisions ``float32``, ``float16``, ``bfloat16``: the paper's mode; decode is a cast and
+two matmuls. float32 and bfloat16 use unit steps; float16 uses a power-of-two step per band that puts the
+band's largest magnitude near 2**15, so nothing overflows (max 65504) or falls into subnormals.
+
+Quantized precisions ``int8``, ``int16``: ``q = round(c / step[band])``. The step of each band is
+``max(base_step * weight[band], maxabs[band] / qmax)``: the requested step, enlarged where needed so no value
+saturates (qmax = 127 or 32767).
+
+Error model. The DCT is orthonormal blockwise (edge blocks included), so squared error in coefficient space
+equals squared error in data space. For a chunk of N values::
+
+    N * MSE = dropped + sum over stored coefficients of (c - step * round(c / step))**2  (+ N/12 for integers)
+
+``dropped`` is the energy of the coefficients the mask removes (= sum x**2 - sum of stored c**2, by
+Parseval); the last term is the rounding of integer outputs. For planning without the coefficients, the
+classic high-rate model replaces each stored coefficient's error by ``min(step**2 / 12, c**2)``:
+:func:`expected_mse`. :func:`coefficient_error` computes the exact quantization term.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dctchop.errors import DctchopError
+
+FLOAT_PRECISIONS = ("float32", "float16", "bfloat16")
+INT_PRECISIONS = ("int8", "int16")
+PRECISIONS = FLOAT_PRECISIONS + INT_PRECISIONS
+STORAGE_DTYPES = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),  # the top 16 bits of a float32
+    "int8": np.dtype("i1"),
+    "int16": np.dtype("<i2"),
+}
+QMAX = {"int8": 127, "int16": 32767}
+FLOAT16_TARGET_EXPONENT = 15
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise DctchopError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
+def band_maxabs(values: np.ndarray, seg_starts: np.ndarray, seg_bands: np.ndarray, n_bands: int) -> np.ndarray:
+    """Largest magnitude of each band over all its runs (float64, zeros for empty bands)."""
+    out = np.zeros(n_bands)
+    for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
+        if e > s:
+            out[b] = max(out[b], float(np.max(np.abs(values[s:e]))))
+    return out
+
+
+def choose_steps(
+    maxabs: np.ndarray, precision: str, base_step: float | None = None, weights: np.ndarray | None = None
+) -> np.ndarray:
+    """Per-band steps for one chunk (float64). ``base_step`` is required for the integer precisions."""
+    n = maxabs.size
+    if precision in ("float32", "bfloat16"):
+        return np.ones(n)
+    if precision == "float16":
+        exps = np.where(maxabs > 0, np.ceil(np.log2(np.where(maxabs > 0, maxabs, 1.0))), 0.0)
+        return np.exp2(exps - FLOAT16_TARGET_EXPONENT)
+    if base_step is None or not base_step > 0 or not math.isfinite(base_step):
+        raise DctchopError(f"precision {precision} needs a positive quantization step, got {base_step}")
+    w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
+    steps = np.maximum(base_step * w, maxabs / QMAX[precision])
+    return np.where(steps > 0, steps, 1.0)
+
+
+def quantize(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str) -> np.ndarray:
+    """Stored values (storage dtype) of band-major coefficients."""
+    scaled = np.empty(values.shape, dtype=np.float32)
+    for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
+        np.multiply(values[s:e], 1.0 / steps[b], out=scaled[s:e], casting="unsafe")
+    if precision == "float32":
+        return scaled
+    if precision == "float16":
+        return scaled.astype(np.float16)
+    if precision == "bfloat16":
+        return float32_to_bfloat16_bits(scaled)
+    q = QMAX[precision]
+    return np.clip(np.rint(scaled), -q, q).astype(STORAGE_DTYPES[precision])
+
+
+def dequantize(stored: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str, dtype) -> np.ndarray:
+    """Band-major coefficients (``dtype``) from stored values."""
+    if precision == "bfloat16":
+        stored = bfloat16_bits_to_float32(stored)
+    out = stored.astype(dtype)
+    for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
+        if steps[b] != 1.0:
+            out[s:e] *= steps[b]
+    return out
+
+
+def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even) and return the 16 bits as uint16."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    return ((bits + rounding) >> 16).astype(np.uint16)
+
+
+def bfloat16_bits_to_float32(b: np.ndarray) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint32) << 16).view(np.float32)
+
+
+def coefficient_error(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str) -> float:
+    """Exact sum of squared quantization error over the stored coefficients (float64)."""
+    restored = dequantize(quantize(values, steps, seg_starts, seg_bands, precision), steps, seg_starts,
+                          seg_bands, precision, np.float64)
+    return float(np.sum((values.astype(np.float64) - restored) ** 2))
+
+
+def expected_mse(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, n_total: int,
+                 dropped: float, integer_output: bool) -> float:
+    """High-rate model of the MSE for ``n_total`` data values: each stored coefficient contributes
+    ``min(step**2 / 12, c**2)`` (a coefficient smaller than half a step is zeroed), plus the dropped energy,
+    plus 1/12 per value for rounding to an integer dtype."""
+    total = dropped
+    for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
+        c2 = values[s:e].astype(np.float64) ** 2
+        total += float(np.sum(np.minimum(steps[b] ** 2 / 12.0, c2)))
+    return total / n_total + (1.0 / 12.0 if integer_output else 0.0)
+
+
+def psnr(mse: float, peak: float) -> float:
+    """20 log10(peak) - 10 log10(MSE); +inf for an exact reconstruction."""
+    if mse <= 0:
+        return math.inf
+    if peak <= 0:
+        return -math.inf
+    return 20.0 * math.log10(peak) - 10.0 * math.log10(mse)
+
+
+def dtype_peak(dtype) -> float | None:
+    """PSNR peak of an integer dtype (its range); None for floats (use the data's max - min)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return float(info.max) - float(info.min)
+    return None
