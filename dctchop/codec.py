@@ -40,7 +40,7 @@ from zarr.core.common import parse_named_configuration
 
 from dctchop import quantize as qz
 from dctchop.errors import CorruptChunkError, DctchopError
-from dctchop.transform import MASKS, SUPPORTED_DTYPES, decompress_array, forward, gather, make_plan, work_dtype
+from dctchop.transform import MASKS, forward, gather, inverse, make_plan, work_dtype
 
 if TYPE_CHECKING:
     from typing import Self
@@ -60,7 +60,8 @@ _FIXED = struct.Struct("<4sBBBBBBH")
 @dataclass(frozen=True)
 class ChunkSettings:
     """What the encoder needs to know besides the data. ``step`` and ``target_psnr`` apply to the integer
-    precisions (exactly one of them); ``peak`` is the PSNR peak for ``target_psnr`` on float data."""
+    precisions (at most one of them; with neither, each band is scaled to the full integer range);
+    ``peak`` is the PSNR peak for ``target_psnr`` on float data."""
 
     axes: tuple[int, ...]
     block: tuple[int, ...]
@@ -77,8 +78,8 @@ class ChunkSettings:
         if self.mask not in MASKS:
             raise DctchopError(f"mask must be one of {', '.join(MASKS)}, got {self.mask!r}")
         quantized = self.precision in qz.INT_PRECISIONS
-        if quantized and (self.step is None) == (self.target_psnr is None):
-            raise DctchopError(f"precision {self.precision} needs exactly one of step or target_psnr")
+        if self.step is not None and self.target_psnr is not None:
+            raise DctchopError("give step or target_psnr, not both")
         if not quantized and (self.step is not None or self.target_psnr is not None):
             raise DctchopError(f"step and target_psnr apply to int8/int16, not {self.precision}")
         if self.step is not None and not (math.isfinite(self.step) and self.step > 0):
@@ -90,9 +91,10 @@ class ChunkSettings:
 
 def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> bytes:
     """Compress one chunk into a self-describing byte string."""
-    if x.dtype not in DTYPE_CODES:
+    native = x.dtype.newbyteorder("=")
+    if native not in DTYPE_CODES:
         raise DctchopError(f"unsupported dtype {x.dtype}; supported: {', '.join(map(str, DTYPE_CODES))}")
-    x = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("="))
+    x = np.ascontiguousarray(x, dtype=native)
     plan = make_plan(x.shape, settings.axes, settings.block, settings.keep, settings.mask)
     _, seg_starts, seg_bands = plan.order
     values = gather(forward(x, plan, threads), plan)
@@ -130,23 +132,25 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) ->
         steps = qz.choose_steps(maxabs, settings.precision, step, weights)
         return dropped + qz.coefficient_error(values, steps, seg_starts, seg_bands, settings.precision)
 
-    finest = max(float(np.max(maxabs)) / qz.QMAX[settings.precision], 1e-30) if maxabs.size else 1.0
-    finest = finest / 1024
-    coarsest = max(float(np.max(maxabs)) * 4, finest * 2)
+    # below `finest` every band sits at its no-saturation limit maxabs / qmax, above `coarsest` all is zero
+    limits = maxabs / qz.QMAX[settings.precision] / (1.0 if weights is None else weights)
+    finest = max(float(np.min(limits[maxabs > 0])), 1e-30) if np.any(maxabs > 0) else 1e-30
+    coarsest = max(float(np.max(maxabs)) * 4, finest)
     if sse(coarsest) <= target_sse:
         return coarsest
     if sse(finest) > target_sse:
         return finest
-    lo, hi = math.log(finest), math.log(coarsest)
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        if sse(math.exp(mid)) <= target_sse:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 0.01:
-            break
-    return math.exp(lo)
+    # high-rate guess (error step**2 / 12 per stored value), then a bracket around it and bisection to 1%
+    guess = math.sqrt(12 * max(target_sse - dropped, 0.0) / max(values.size, 1))
+    lo, hi = min(max(guess / 2, finest), coarsest), min(max(guess * 2, finest), coarsest)
+    while lo > finest and sse(lo) > target_sse:
+        lo, hi = max(lo / 4, finest), lo
+    while hi < coarsest and sse(hi) <= target_sse:
+        lo, hi = hi, min(hi * 4, coarsest)
+    while hi / lo > 1.01:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if sse(mid) <= target_sse else (lo, mid)
+    return lo
 
 
 def _counted_values(x: np.ndarray, axes: tuple[int, ...]) -> int:
@@ -275,10 +279,12 @@ def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, thread
         raise CorruptChunkError(f"chunk payload is {len(payload)} bytes, expected "
                                 f"{header.n_values * storage.itemsize}")
     stored = np.frombuffer(payload, dtype=storage)
-    values = qz.dequantize(stored, steps, seg_starts, seg_bands, header.precision, work_dtype(header.dtype))
-    if not np.all(np.isfinite(values)):
+    if stored.dtype.kind == "f" and not np.all(np.isfinite(stored)):
         raise CorruptChunkError("chunk holds non-finite coefficients")
-    return decompress_array(values, plan, header.dtype, threads)
+    coefficients = np.zeros(plan.coefficient_shape, dtype=work_dtype(header.dtype))
+    qz.dequantize_into(stored, steps, seg_starts, seg_bands, header.precision, plan.order[0],
+                       coefficients.reshape(-1))
+    return inverse(coefficients, plan, header.dtype, threads)
 
 
 # ---------------------------------------------------------------------------------------------- zarr codec
@@ -290,9 +296,9 @@ def _native_dtype(dtype: Any) -> np.dtype:
 
 
 def _int_tuple(value, name: str) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, int) for v in value):
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, (int, np.integer)) for v in value):
         raise DctchopError(f"dctchop codec: {name} must be a non-empty list of integers, got {value!r}")
-    return tuple(value)
+    return tuple(int(v) for v in value)
 
 
 @dataclass(frozen=True)
@@ -316,7 +322,7 @@ class DctChopCodec(ArrayBytesCodec):
 
     def __post_init__(self) -> None:
         for name in ("axes", "block", "keep"):
-            object.__setattr__(self, name, _int_tuple(list(getattr(self, name)), name))
+            object.__setattr__(self, name, _int_tuple(getattr(self, name), name))
         if self.weights is not None:
             object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
         self.settings  # validate  # noqa: B018

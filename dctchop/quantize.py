@@ -8,7 +8,8 @@ band's largest magnitude near 2**15, so nothing overflows (max 65504) or falls i
 
 Quantized precisions ``int8``, ``int16``: ``q = round(c / step[band])``. The step of each band is
 ``max(base_step * weight[band], maxabs[band] / qmax)``: the requested step, enlarged where needed so no value
-saturates (qmax = 127 or 32767).
+saturates (qmax = 127 or 32767). Without a base step each band is scaled to the full integer range
+(fixed-point, ``maxabs / qmax``): the fixed-size integer mode.
 
 Error model. The DCT is orthonormal blockwise (edge blocks included), so squared error in coefficient space
 equals squared error in data space. For a chunk of N values::
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 
 from dctchop.errors import DctchopError
@@ -48,45 +50,91 @@ def check_precision(precision: str) -> None:
         raise DctchopError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
 
 
+# Single-pass kernels over band-major values: run s covers values[seg_starts[s]:seg_starts[s + 1]] of band
+# seg_bands[s]. Integer rounding is floor(v / step + 0.5) everywhere, so the error the PSNR search measures
+# is the error the stored chunk has.
+
+
+@numba.njit(nogil=True, cache=True)
+def _band_maxabs(values, seg_starts, seg_bands, out):  # pragma: no cover - compiled
+    for s in range(seg_bands.size):
+        m = out[seg_bands[s]]
+        for i in range(seg_starts[s], seg_starts[s + 1]):
+            a = abs(values[i])
+            m = max(m, a)
+        out[seg_bands[s]] = m
+
+
+@numba.njit(nogil=True, cache=True)
+def _quantize_int(values, seg_starts, seg_bands, steps, qmax, out):  # pragma: no cover - compiled
+    for s in range(seg_bands.size):
+        inv = 1.0 / steps[seg_bands[s]]
+        for i in range(seg_starts[s], seg_starts[s + 1]):
+            q = np.floor(values[i] * inv + 0.5)
+            out[i] = min(max(q, -qmax), qmax)
+
+
+@numba.njit(nogil=True, cache=True)
+def _int_error(values, seg_starts, seg_bands, steps, qmax):  # pragma: no cover - compiled
+    total = 0.0
+    for s in range(seg_bands.size):
+        step = steps[seg_bands[s]]
+        inv = 1.0 / step
+        for i in range(seg_starts[s], seg_starts[s + 1]):
+            q = min(max(np.floor(values[i] * inv + 0.5), -qmax), qmax)
+            d = values[i] - q * step
+            total += d * d
+    return total
+
+
+@numba.njit(nogil=True, cache=True)
+def _dequantize_scatter(stored, seg_starts, seg_bands, steps, index, out):  # pragma: no cover - compiled
+    for s in range(seg_bands.size):
+        step = steps[seg_bands[s]]
+        for i in range(seg_starts[s], seg_starts[s + 1]):
+            out[index[i]] = stored[i] * step
+
+
 def band_maxabs(values: np.ndarray, seg_starts: np.ndarray, seg_bands: np.ndarray, n_bands: int) -> np.ndarray:
     """Largest magnitude of each band over all its runs (float64, zeros for empty bands)."""
     out = np.zeros(n_bands)
-    for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
-        if e > s:
-            out[b] = max(out[b], float(np.max(np.abs(values[s:e]))))
+    _band_maxabs(values, seg_starts, seg_bands, out)
     return out
 
 
 def choose_steps(
     maxabs: np.ndarray, precision: str, base_step: float | None = None, weights: np.ndarray | None = None
 ) -> np.ndarray:
-    """Per-band steps for one chunk (float64). ``base_step`` is required for the integer precisions."""
+    """Per-band steps for one chunk (float64); ``base_step`` None means full-range fixed point for integers."""
     n = maxabs.size
     if precision in ("float32", "bfloat16"):
         return np.ones(n)
     if precision == "float16":
         exps = np.where(maxabs > 0, np.ceil(np.log2(np.where(maxabs > 0, maxabs, 1.0))), 0.0)
         return np.exp2(exps - FLOAT16_TARGET_EXPONENT)
-    if base_step is None or not base_step > 0 or not math.isfinite(base_step):
-        raise DctchopError(f"precision {precision} needs a positive quantization step, got {base_step}")
-    w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
-    steps = np.maximum(base_step * w, maxabs / QMAX[precision])
+    steps = maxabs / QMAX[precision]
+    if base_step is not None:
+        if not (base_step > 0 and math.isfinite(base_step)):
+            raise DctchopError(f"quantization step must be a positive number, got {base_step}")
+        w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
+        steps = np.maximum(base_step * w, steps)
     return np.where(steps > 0, steps, 1.0)
 
 
 def quantize(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str) -> np.ndarray:
     """Stored values (storage dtype) of band-major coefficients."""
+    if precision in INT_PRECISIONS:
+        out = np.empty(values.shape, dtype=STORAGE_DTYPES[precision])
+        _quantize_int(values, seg_starts, seg_bands, steps, float(QMAX[precision]), out)
+        return out
     scaled = np.empty(values.shape, dtype=np.float32)
     for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
         np.multiply(values[s:e], 1.0 / steps[b], out=scaled[s:e], casting="unsafe")
-    if precision == "float32":
-        return scaled
     if precision == "float16":
         return scaled.astype(np.float16)
     if precision == "bfloat16":
         return float32_to_bfloat16_bits(scaled)
-    q = QMAX[precision]
-    return np.clip(np.rint(scaled), -q, q).astype(STORAGE_DTYPES[precision])
+    return scaled
 
 
 def dequantize(stored: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str, dtype) -> np.ndarray:
@@ -98,6 +146,16 @@ def dequantize(stored: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, pre
         if steps[b] != 1.0:
             out[s:e] *= steps[b]
     return out
+
+
+def dequantize_into(stored: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str,
+                    index: np.ndarray, out: np.ndarray) -> None:
+    """``out.flat[index] = dequantize(stored)`` in one pass (the decoder's coefficient image)."""
+    if precision == "bfloat16":
+        stored = bfloat16_bits_to_float32(stored)
+    elif precision == "float16":  # numba has no float16 arrays
+        stored = stored.astype(np.float32)
+    _dequantize_scatter(stored, seg_starts, seg_bands, steps, index, out)
 
 
 def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
@@ -113,6 +171,8 @@ def bfloat16_bits_to_float32(b: np.ndarray) -> np.ndarray:
 
 def coefficient_error(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str) -> float:
     """Exact sum of squared quantization error over the stored coefficients (float64)."""
+    if precision in INT_PRECISIONS:
+        return float(_int_error(values, seg_starts, seg_bands, steps, float(QMAX[precision])))
     restored = dequantize(quantize(values, steps, seg_starts, seg_bands, precision), steps, seg_starts,
                           seg_bands, precision, np.float64)
     return float(np.sum((values.astype(np.float64) - restored) ** 2))

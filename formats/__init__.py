@@ -1,0 +1,383 @@
+"""Input layer: lazy, picklable views of the arrays in an ``.npy`` or HDF5 file.
+
+The compressor works chunk by chunk, possibly in worker processes, on inputs larger than memory. So
+:func:`open_source` only reads metadata; it returns plain dataclasses (:class:`Source`,
+:class:`SourceArray`) that carry no open file objects, and the data is read later, one slab along axis 0
+at a time, by :meth:`SourceArray.read`. ``read`` opens the file lazily and caches the handle per process
+(h5py handles neither pickle nor survive ``fork``), so a ``SourceArray`` pickled into a ``spawn`` worker
+reads just as well as in the parent.
+
+Every problem with the input (missing, unreadable or damaged file, unsupported dtype, unknown dataset,
+link leaving the file) is raised as :class:`dctchop.errors.DctchopError` with a one-line message naming
+the file and, where there is one, the dataset.
+
+HDF5 selection rules (see :func:`open_source`):
+
+* Default: every dataset in the file is accounted for. Numeric (unsigned/signed integer, float) datasets
+  with ``ndim >= 2`` are lossy; numeric datasets with ``ndim <= 1``, enums, bool, complex, fixed-width
+  strings and compound/opaque types that h5py reads as a fixed-width numpy dtype are lossless (copied
+  bit-exactly); datasets named in ``lossless`` are lossless whatever their shape. A dataset h5py can only
+  read as an object array (variable-length strings or sequences, references) or with a null dataspace
+  cannot be copied bit-exactly and is refused, naming it; select what to keep explicitly to skip it.
+* Explicit: when ``datasets`` is given, the source holds exactly the named lossy datasets plus the named
+  ``lossless`` ones, nothing else. Only numeric (u/i/f, non-enum) dtypes may be named lossy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import operator
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dctchop.errors import DctchopError
+
+__all__ = ["HDF5_SUFFIXES", "NPY_SUFFIXES", "Source", "SourceArray", "close_all", "open_source"]
+
+NPY_SUFFIXES = (".npy",)
+HDF5_SUFFIXES = (".h5", ".hdf5")
+
+
+@dataclass(frozen=True)
+class SourceArray:
+    """One input array: plain metadata plus a lazy reader.
+
+    Only plain fields, so it pickles into worker processes; :meth:`read` picks the reader from the file's
+    suffix (as :func:`open_source` did) and opens the file on first use in each process.
+
+    Attributes
+    ----------
+    file : str
+        Absolute path of the input file.
+    name : str
+        Dataset path inside the file (``"/images"``, ``"/group/x"``); for ``.npy`` the file stem.
+    shape : tuple of int
+    dtype : numpy.dtype
+        Native byte order (big-endian inputs are reported as the native equivalent), no h5py metadata.
+    attrs : dict
+        JSON-serialisable attributes (numpy values converted, unconvertible ones dropped).
+    """
+
+    file: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    attrs: dict = field(default_factory=dict)
+
+    def __hash__(self) -> int:  # attrs is a dict: hash the identifying fields only
+        return hash((self.file, self.name, self.shape, self.dtype))
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole array in bytes, as :meth:`read` would return it."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Samples ``[start, stop)`` along axis 0 as a C-contiguous native-byte-order array.
+
+        ``stop=None`` means the end of axis 0, so ``read()`` returns the whole array. A 0-d array has no
+        axis 0: ``read()`` (or ``read(0, 1)``) returns it whole, as a 0-d array. The result is always a
+        fresh in-memory ``numpy.ndarray`` of dtype :attr:`dtype`, never a view of a memory map.
+
+        Raises
+        ------
+        ValueError
+            ``start``/``stop`` out of ``0 <= start <= stop <= shape[0]`` (a caller bug, not bad input).
+        TypeError
+            ``start``/``stop`` not integers (numpy integers are fine).
+        DctchopError
+            The file vanished, changed or cannot be read any more.
+        """
+        start, stop = _check_range(self.shape, start, stop)
+        if _suffix(self.file) in NPY_SUFFIXES:
+            from dctchop.formats import npy
+
+            out = npy.read_npy(self.file, self.dtype, self.shape, start, stop)
+        else:
+            from dctchop.formats import hdf5
+
+            out = hdf5.read_hdf5(self.file, self.name, self.dtype, self.shape, start, stop)
+        return out
+
+
+@dataclass(frozen=True)
+class Source:
+    """Everything the compressor needs to know about one input file.
+
+    Attributes
+    ----------
+    path : str
+        Absolute path of the file.
+    kind : str
+        ``"npy"`` or ``"hdf5"``.
+    lossy : tuple of SourceArray
+        Arrays to compress lossily.
+    lossless : tuple of SourceArray
+        Arrays to copy bit-exactly (labels, ids, timestamps, ...).
+    groups : dict
+        HDF5 group path -> JSON-serialisable attrs, root ``"/"`` included; ``{}`` for ``.npy``.
+    """
+
+    path: str
+    kind: str
+    lossy: tuple[SourceArray, ...]
+    lossless: tuple[SourceArray, ...]
+    groups: dict[str, dict] = field(default_factory=dict)
+
+    def __hash__(self) -> int:  # groups is a dict: hash the identifying fields only
+        return hash((self.path, self.kind, self.lossy, self.lossless))
+
+    @property
+    def arrays(self) -> tuple[SourceArray, ...]:
+        """Lossy then lossless arrays."""
+        return self.lossy + self.lossless
+
+
+def open_source(
+    path: str | os.PathLike,
+    datasets: Sequence[str] = (),
+    lossless: Sequence[str] = (),
+    follow_external: bool = False,
+) -> Source:
+    """Inspect an input file without reading its data.
+
+    Parameters
+    ----------
+    path : str or path-like
+        An ``.npy``, ``.h5`` or ``.hdf5`` file (suffix compared case-insensitively).
+    datasets : sequence of str
+        The datasets to compress lossily (leading ``"/"`` optional). Empty: every numeric dataset with
+        ``ndim >= 2`` (see the module docstring). Given: the source holds only these plus ``lossless``.
+        An ``.npy`` file holds one array named after the file stem: naming it is allowed (and changes
+        nothing), naming anything else is an error.
+    lossless : sequence of str
+        Datasets to copy bit-exactly even if they would be lossy by default (for ``.npy``: the stem, which
+        moves the one array to ``lossless``).
+    follow_external : bool
+        HDF5 only: follow external links, virtual datasets whose sources lie in other files and datasets
+        with external raw storage. Off by default: such datasets are refused, naming them.
+
+    Returns
+    -------
+    Source
+
+    Raises
+    ------
+    DctchopError
+        Missing/unreadable/damaged file, unknown suffix, pickled ``.npy``, unknown or unsupported dataset.
+    """
+    file = _check_file(path)
+    suffix = _suffix(file)
+    datasets = _as_names(datasets, "datasets")
+    lossless = _as_names(lossless, "lossless")
+    if suffix in NPY_SUFFIXES:
+        from dctchop.formats import npy
+
+        return npy.open_npy(file, datasets, lossless)
+    if suffix in HDF5_SUFFIXES:
+        from dctchop.formats import hdf5
+
+        return hdf5.open_hdf5(file, datasets, lossless, follow_external)
+    raise DctchopError(
+        f"{file}: unsupported file type {suffix or '(no suffix)'!r}; expected one of "
+        + ", ".join(NPY_SUFFIXES + HDF5_SUFFIXES)
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# per-process cache of open handles, shared by the readers
+# --------------------------------------------------------------------------------------------------------
+
+_HANDLES: dict[tuple[int, str], Any] = {}
+_HANDLES_LOCK = threading.RLock()
+
+
+def cached_handle(path: str, opener):
+    """Return this process's cached handle for ``path``, opening it with ``opener(path)`` on a miss.
+
+    Keyed by ``(os.getpid(), path)`` so a forked child never reuses its parent's handle.
+    """
+    key = (os.getpid(), path)
+    handle = _HANDLES.get(key)
+    if handle is None:
+        with _HANDLES_LOCK:
+            handle = _HANDLES.get(key)
+            if handle is None:
+                handle = opener(path)
+                _HANDLES[key] = handle
+    return handle
+
+
+def close_all(path: str | os.PathLike | None = None) -> None:
+    """Close this process's cached read handles (all of them, or those of one file).
+
+    Handles reopen lazily on the next :meth:`SourceArray.read`. :func:`open_source` calls this for its
+    file, so re-opening a file that was rewritten never reads through a stale handle.
+    """
+    pid = os.getpid()
+    target = None if path is None else os.path.abspath(os.fspath(path))
+    with _HANDLES_LOCK:
+        for key in list(_HANDLES):
+            if key[0] == pid and (target is None or key[1] == target):
+                handle = _HANDLES.pop(key)
+                close = getattr(handle, "close", None)
+                if close is not None:
+                    with contextlib.suppress(Exception):  # closing (at exit too) must never raise
+                        close()
+        # entries of other pids were inherited through fork: drop them without touching the parent's handles
+        for key in [k for k in _HANDLES if k[0] != pid]:
+            del _HANDLES[key]
+
+
+atexit.register(close_all)
+
+
+# --------------------------------------------------------------------------------------------------------
+# helpers shared by npy.py and hdf5.py
+# --------------------------------------------------------------------------------------------------------
+
+
+def _suffix(path: str) -> str:
+    return os.path.splitext(path)[1].lower()
+
+
+def _check_file(path) -> str:
+    """Absolute path of an existing, readable regular file, else DctchopError naming it."""
+    try:
+        raw = os.fspath(path)
+    except TypeError:
+        raise DctchopError(f"input path must be a string or path-like, not {type(path).__name__}") from None
+    if isinstance(raw, bytes):
+        raw = os.fsdecode(raw)
+    file = os.path.abspath(raw)
+    if not os.path.exists(file):
+        raise DctchopError(f"{file}: no such file")
+    if os.path.isdir(file):
+        raise DctchopError(f"{file}: is a directory, expected an .npy or HDF5 file")
+    if not os.path.isfile(file):
+        raise DctchopError(f"{file}: not a regular file")
+    if not os.access(file, os.R_OK):
+        raise DctchopError(f"{file}: permission denied")
+    return file
+
+
+def _as_names(names, what: str) -> tuple[str, ...]:
+    if isinstance(names, (str, bytes)):
+        names = (names,)
+    out = []
+    for n in names:
+        if not isinstance(n, str) or not n.strip("/ "):
+            raise DctchopError(f"{what}: invalid dataset name {n!r}")
+        out.append(n)
+    return tuple(out)
+
+
+def _check_range(shape: tuple[int, ...], start, stop) -> tuple[int, int]:
+    n = shape[0] if shape else 1
+    if stop is None:
+        stop = n
+    if isinstance(start, (bool, np.bool_)) or isinstance(stop, (bool, np.bool_)):
+        raise TypeError("read(start, stop): bounds must be integers, not bool")
+    try:
+        start, stop = operator.index(start), operator.index(stop)
+    except TypeError:
+        raise TypeError(f"read(start, stop): bounds must be integers, got {start!r}, {stop!r}") from None
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"read({start}, {stop}) out of range for axis 0 of length {n}")
+    if not shape and (start, stop) != (0, 1):
+        raise ValueError("a 0-d array can only be read whole: read() or read(0, 1)")
+    return start, stop
+
+
+def native_dtype(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in native byte order (fields too), without h5py metadata on plain dtypes."""
+    dtype = np.dtype(dtype)
+    if dtype.fields is None and dtype.subdtype is None:
+        dtype = np.dtype(dtype.str)  # drops metadata (h5py string/enum info)
+    if not _all_native(dtype):
+        dtype = dtype.newbyteorder("=")
+    return dtype
+
+
+def _all_native(dtype: np.dtype) -> bool:
+    if dtype.fields is not None:
+        return all(_all_native(f[0]) for f in dtype.fields.values())
+    if dtype.subdtype is not None:
+        return _all_native(dtype.subdtype[0])
+    return dtype.isnative
+
+
+_DROP = object()
+
+
+def _jsonable(value: Any) -> Any:
+    """A JSON-serialisable equivalent of ``value``, or ``_DROP``.
+
+    numpy scalars become Python scalars, arrays become (nested) lists, bytes are decoded as UTF-8, tuples
+    become lists. NaN and infinities stay floats (Python's json and Zarr write them). Anything else
+    (complex, references, undecodable bytes, ...) is dropped.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return _DROP
+    if isinstance(value, np.generic):
+        if value.dtype.kind in "biufUS":
+            return _jsonable(value.item())
+        if value.dtype.kind == "V" and value.dtype.fields is not None:
+            return _jsonable(value.item())
+        return _DROP
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind in "biufUS" or (value.dtype.kind == "V" and value.dtype.fields is not None):
+            return _jsonable(value.tolist())
+        if value.dtype.kind == "O":
+            return _jsonable(value.tolist())
+        return _DROP
+    if isinstance(value, (list, tuple)):
+        out = [_jsonable(v) for v in value]
+        return _DROP if any(v is _DROP for v in out) else out
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return _DROP
+            v = _jsonable(v)
+            if v is _DROP:
+                return _DROP
+            out[k] = v
+        return out
+    return _DROP
+
+
+def json_attrs(items) -> dict:
+    """Convert ``(name, value)`` pairs into a JSON-serialisable dict, dropping what cannot be converted.
+
+    ``items`` may yield a value of ``_DROP`` for attributes that could not even be read.
+    """
+    out = {}
+    for key, value in items:
+        if not isinstance(key, str):
+            continue
+        value = _jsonable(value)
+        if value is not _DROP:
+            out[key] = value
+    return out

@@ -78,5 +78,6 @@ def test_cross_version_round_trip(tmp_path, images, writer_is_other):
     np.testing.assert_array_equal(decoded_by_reader, decoded_here)
     mse = np.mean((decoded_here.astype(float) - images) ** 2)
     assert 10 * np.log10(255**2 / mse) >= 40.0 - 0.05
-    meta = json.load(open(os.path.join(path, "data", "zarr.json")))
+    with open(os.path.join(path, "data", "zarr.json")) as f:
+        meta = json.load(f)
     assert DctChopCodec.from_dict(meta["codecs"][0]).target_psnr == 40.0

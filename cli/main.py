@@ -1,0 +1,239 @@
+"""The ``dctchop`` command line: parse, call the library, report. No logic lives here that the library lacks.
+
+Exit codes: 0 success; 1 a problem with the input, output or settings (one-line message); 2 a usage error
+(bad option); 3 an internal error (one line; ``--debug`` shows the traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import traceback
+
+import click
+
+from dctchop._version import __version__
+from dctchop.errors import DctchopError
+
+EXIT_USER, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 3, 130
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+PSNR_HELP = ("PSNR = 20 log10(peak) - 10 log10(MSE); peak = the dtype's range for integer data (255 for uint8), "
+             "max - min of the original array for floating-point data.")
+
+
+def _int_list(text: str | None, option: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected an integer or comma-separated integers, got {text!r}",
+                                 param_hint=option) from None
+    if not values:
+        raise click.BadParameter("empty value", param_hint=option)
+    return values
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _db(v: float) -> str:
+    return "inf" if v == float("inf") else f"{v:.2f}"
+
+
+class _Progress:
+    """A tqdm bar over input bytes on stderr, when stderr is a terminal or it was asked for."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
+                            desc="compress", dynamic_ncols=True)
+
+    def __call__(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "--version", prog_name="dctchop")
+@click.option("--debug", is_flag=True, help="Show tracebacks for internal errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Compress image and scientific tensors (HDF5, NPY) into Zarr stores with a blockwise DCT.
+
+    \b
+    dctchop compress images.h5 images.zarr          # defaults: PSNR 40 dB (integer) / 60 dB (float)
+    dctchop inspect images.zarr                     # ratio, PSNR, max error per array
+    dctchop decompress images.zarr restored.h5
+    """
+    ctx.obj = {"debug": debug}
+
+
+@cli.command(context_settings=CONTEXT, epilog=PSNR_HELP)
+@click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=True))
+@click.argument("output", type=click.Path())
+@click.option("--dataset", "datasets", multiple=True, metavar="PATH",
+              help="HDF5 dataset to compress lossily (repeatable). Default: every numeric dataset with ndim >= 2.")
+@click.option("--lossless", multiple=True, metavar="PATH", help="HDF5 dataset to copy losslessly (repeatable).")
+@click.option("--follow-external", is_flag=True, help="Follow HDF5 external links and virtual datasets.")
+@click.option("--axes", metavar="A,B[,C]", help="Axes to transform (default: inferred from the layout).")
+@click.option("--keep", metavar="K[,K..]", help="Chop: keep the first K DCT coefficients per axis of each block.")
+@click.option("--ratio", type=float, help="Reach this compression ratio (within 5%) with the best PSNR.")
+@click.option("--psnr", type=float, help="Every chunk at least this PSNR (dB), fewest bytes.")
+@click.option("--block", default="8", show_default=True, metavar="B[,B..]", help="Block size per axis, 2..64.")
+@click.option("--mask", type=click.Choice(["square", "triangle"]), default="square", show_default=True,
+              help="Which coefficients --keep keeps: square (i < k per axis) or triangle (sum i/k < 1).")
+@click.option("--precision", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int16"]),
+              help="Coefficient storage. Default: float16 with --keep, int16 with --ratio/--psnr.")
+@click.option("--chunk-samples", type=int, help="Samples per chunk (default: about 4 MB of input).")
+@click.option("--workers", type=int, default=0, show_default=True, help="Encoding threads (0: one per core).")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new store is done).")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when a TTY).")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors (and --json output).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def compress(input_path, output, datasets, lossless, follow_external, axes, keep, ratio, psnr, block, mask,
+             precision, chunk_samples, workers, overwrite, progress, quiet, as_json):
+    """Compress INPUT (.npy or .h5/.hdf5) into the Zarr store OUTPUT.
+
+    Quality target, at most one of --keep, --ratio, --psnr; with none, --psnr 40 for integer data and
+    --psnr 60 for floating-point data.
+    """
+    from dctchop.formats import open_source
+    from dctchop.layout import parse_axes
+    from dctchop.store import CompressOptions, Target, plan_array
+    from dctchop.store import compress as compress_store
+
+    targets = [t for t in (("keep", keep), ("ratio", ratio), ("psnr", psnr)) if t[1] is not None]
+    if len(targets) > 1:
+        raise click.UsageError(f"give at most one of --keep, --ratio, --psnr (got {', '.join(t for t, _ in targets)})")
+    target = None
+    if targets:
+        kind, value = targets[0]
+        target = Target(kind, _int_list(value, "--keep") if kind == "keep" else value)
+    source = open_source(input_path, datasets=datasets, lossless=lossless, follow_external=follow_external)
+    plans = []
+    for array in source.lossy:
+        array_axes = parse_axes(axes, len(array.shape)) if axes else None
+        options = CompressOptions(target=target, axes=array_axes, block=_int_list(block, "--block"), mask=mask,
+                                  precision=precision, chunk_samples=chunk_samples, workers=workers)
+        plan = plan_array(source, array, options)
+        plans.append(plan)
+        if not quiet:
+            click.echo(f"{plan.name}: {list(array.shape)} {array.dtype}, layout {plan.layout}, transforming axes "
+                       f"{list(plan.axes)}, chunks of {plan.chunks[0]}", err=True)
+    total = sum(a.dtype.itemsize * math.prod(a.shape) for a in (*source.lossy, *source.lossless))
+    bar = _Progress(total, enabled=not quiet and (progress if progress is not None else sys.stderr.isatty()))
+    try:
+        summary = compress_store(source, output, CompressOptions(workers=workers), overwrite=overwrite,
+                                 progress=bar, plans=plans)
+    finally:
+        bar.close()
+    if as_json:
+        from dctchop.store import json_safe
+
+        click.echo(json.dumps(json_safe(summary), indent=2))
+    elif not quiet:
+        for name, a in summary["arrays"].items():
+            click.echo(f"{name}: {_mb(a['original_bytes'])} -> {_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}, "
+                       f"PSNR {_db(a['psnr'])} dB (chunks min {_db(a['psnr_min'])}, mean {_db(a['psnr_mean'])}), "
+                       f"max abs error {a['max_abs_error']:.4g}")
+        t = summary["totals"]
+        click.echo(f"done in {t['seconds']:.2f} s, {t['mb_per_s']:.1f} MB/s -> {output}")
+
+
+@cli.command(context_settings=CONTEXT, epilog=PSNR_HELP)
+@click.argument("store", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--chunks", "show_chunks", is_flag=True, help="Also print the per-chunk table.")
+@click.option("--verify", "verify_source", type=click.Path(), metavar="SOURCE",
+              help="Decode everything and recompute PSNR and max error against SOURCE; exit 1 on a mismatch.")
+def inspect(store, as_json, show_chunks, verify_source):
+    """Report shape, settings, sizes, ratio, PSNR and max error of each array in STORE."""
+    from dctchop.inspect import inspect_store, verify_store
+    from dctchop.store import json_safe
+
+    report = inspect_store(store, chunks=show_chunks)
+    if verify_source:
+        report["verify"] = verify_store(store, verify_source)
+    if as_json:
+        click.echo(json.dumps(json_safe(report), indent=2))
+    else:
+        _print_report(report, show_chunks)
+    if verify_source and any(v["mismatches"] for v in report["verify"].values()):
+        bad = {k: len(v["mismatches"]) for k, v in report["verify"].items() if v["mismatches"]}
+        raise DctchopError(f"verification failed: {bad} chunk(s) differ from the stored metadata")
+
+
+def _print_report(report: dict, show_chunks: bool) -> None:
+    click.echo(f"store {report['store']} (dctchop {report['version']}, from {report['source']['path']})")
+    for name, a in report["arrays"].items():
+        codec = a["codec"]
+        click.echo(f"\n{name}: {a['shape']} {a['dtype']}, layout {a['layout']}, axes {a['axes']}, "
+                   f"chunks {a['chunks']}")
+        click.echo(f"  target {a['target']['kind']} {a['target']['value']}; block {codec['block']}, keep "
+                   f"{codec['keep']}, mask {codec['mask']}, precision {codec['precision']}")
+        click.echo(f"  {_mb(a['original_bytes'])} -> {_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}")
+        click.echo(f"  PSNR {_db(a['psnr'])} dB (chunks min {_db(a['psnr_min'])}, mean {_db(a['psnr_mean'])}, "
+                   f"max {_db(a['psnr_max'])}), max abs error {a['max_abs_error']:.4g}")
+        if show_chunks:
+            t = a["chunk_table"]
+            click.echo(f"  {'chunk':>6} {'psnr':>8} {'max_err':>10} {'rmse':>10} {'bytes':>10} {'step':>10}")
+            for i in range(len(t["psnr"])):
+                click.echo(f"  {i:>6} {_db(t['psnr'][i]):>8} {t['max_abs_error'][i]:>10.4g} {t['rmse'][i]:>10.4g} "
+                           f"{t['stored_bytes'][i]:>10} {t['step'][i]:>10.4g}")
+    for name, a in report["lossless"].items():
+        click.echo(f"\n{name}: {a['shape']} {a['dtype']}, lossless, {_mb(a['original_bytes'])} -> "
+                   f"{_mb(a['stored_bytes'])}")
+    t = report["totals"]
+    click.echo(f"\ntotal: {_mb(t['original_bytes'])} -> {_mb(t['stored_bytes'])} on disk, ratio {t['ratio']:.2f}")
+    if "verify" in report:
+        for name, v in report["verify"].items():
+            state = "ok" if not v["mismatches"] else f"{len(v['mismatches'])} mismatching chunk(s)"
+            click.echo(f"verify {name}: {v['chunks']} chunk(s) checked, {state}")
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("store", type=click.Path())
+@click.argument("output", type=click.Path())
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+def decompress(store, output, overwrite):
+    """Decode STORE into OUTPUT: .npy (a single array) or .h5 (all arrays, groups and attributes)."""
+    from dctchop.export import decompress as decompress_store
+
+    names = decompress_store(store, output, overwrite=overwrite)
+    click.echo(f"wrote {', '.join(names)} -> {output}", err=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the group, turning errors into one line on stderr and a documented exit code."""
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        cli.main(args=argv, prog_name="dctchop", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(EXIT_USAGE)
+    except click.exceptions.Abort:
+        click.echo("dctchop: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except DctchopError as e:
+        click.echo(f"dctchop: error: {e}", err=True)
+        sys.exit(EXIT_USER)
+    except KeyboardInterrupt:
+        click.echo("dctchop: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:  # noqa: BLE001 - the last line of defence: one line, unless --debug
+        if debug:
+            traceback.print_exc()
+        click.echo(f"dctchop: internal error: {type(e).__name__}: {e}", err=True)
+        sys.exit(EXIT_INTERNAL)

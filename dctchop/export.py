@@ -1,0 +1,85 @@
+"""Writing a store back out as plain files: ``.npy`` (one array) or ``.h5`` (all arrays, groups, attrs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from dctchop.errors import DctchopError
+from dctchop.inspect import open_store
+from dctchop.store import META_GROUP, _chunk_ranges
+
+
+def _copy_rows(src, write, chunk_rows: int) -> None:
+    if not src.shape:
+        write(slice(None), src[...])
+        return
+    for s, e in _chunk_ranges(src.shape[0], max(chunk_rows, 1)):
+        write(slice(s, e), src[s:e])
+
+
+def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -> list[str]:
+    """Decode ``store`` into ``output`` (``.npy`` or ``.h5``/``.hdf5``); returns the array names written.
+
+    Written to a temporary sibling and renamed when complete, like :func:`dctchop.store.compress`.
+    """
+    group, info = open_store(store)
+    output = Path(output)
+    names = list(info["arrays"]) + list(info.get("lossless", []))
+    suffix = output.suffix.lower()
+    if suffix not in (".npy", ".h5", ".hdf5"):
+        raise DctchopError(f"output {output} must end in .npy or .h5")
+    if suffix == ".npy" and len(names) != 1:
+        raise DctchopError(f"store holds {len(names)} arrays ({', '.join(names)}); write .h5 to keep them all")
+    if not output.parent.resolve().is_dir():
+        raise DctchopError(f"output directory {output.parent} does not exist")
+    if output.exists() and not overwrite:
+        raise DctchopError(f"output {output} exists; pass --overwrite to replace it")
+    tmp = output.with_name(f".{output.name}.dctchop-tmp-{os.getpid()}")
+    try:
+        if suffix == ".npy":
+            arr = group[names[0]]
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=arr.dtype, shape=arr.shape)
+            _copy_rows(arr, out.__setitem__, arr.chunks[0] if arr.shape else 1)
+            out.flush()
+            del out
+        else:
+            with h5py.File(tmp, "w") as h5:
+                h5.attrs.update({k: _h5_attr(v) for k, v in group.attrs.items() if k != "dctchop"})
+                for path, g in group.groups():
+                    if path != META_GROUP:
+                        _copy_group(g, h5.require_group(path))
+                for name in names:
+                    arr = group[name]
+                    ds = h5.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
+                    ds.attrs.update({k: _h5_attr(v) for k, v in arr.attrs.items()})
+                    _copy_rows(arr, ds.__setitem__, arr.chunks[0] if arr.shape else 1)
+        os.replace(tmp, output)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+    return names
+
+
+def _copy_group(zgroup, hgroup) -> None:
+    """A user group and its attributes, recursively (arrays are copied by name afterwards)."""
+    hgroup.attrs.update({k: _h5_attr(v) for k, v in zgroup.attrs.items()})
+    for name, child in zgroup.groups():
+        _copy_group(child, hgroup.require_group(name))
+
+
+def _h5_attr(value):
+    """JSON attributes back to HDF5: lists become arrays, dicts become JSON strings."""
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return np.asarray(value)
+    return value

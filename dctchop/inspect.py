@@ -1,0 +1,100 @@
+"""Reading a store's description back: per-array settings, sizes, quality, and verification against a source."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from dctchop.errors import DctchopError
+from dctchop.formats import open_source
+from dctchop.store import META_FIELDS, META_GROUP, _chunk_metrics, _chunk_ranges, directory_bytes
+
+
+def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
+    """The store's root group and its ``dctchop`` attributes; a clear error for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise DctchopError(f"store {path} does not exist")
+    try:
+        group = zarr.open_group(str(path), mode="r")
+    except Exception as e:  # noqa: BLE001 - zarr raises several types for a non-store
+        raise DctchopError(f"{path} is not a Zarr store ({type(e).__name__}: {e})") from None
+    info = group.attrs.get("dctchop")
+    if not isinstance(info, dict) or "arrays" not in info:
+        raise DctchopError(f"{path} is a Zarr store but not a dctchop store (no dctchop attributes)")
+    return group, info
+
+
+def chunk_table(group: zarr.Group, name: str) -> dict[str, np.ndarray]:
+    """Per-chunk metadata of one array, flattened in chunk order."""
+    meta = group[f"{META_GROUP}/{name}"]
+    return {key: np.asarray(meta[key][...]).reshape(-1) for key in META_FIELDS}
+
+
+def inspect_store(path: str | Path, chunks: bool = False) -> dict:
+    """Per array: shape, dtype, axes, settings, original and stored bytes (everything on disk for the array,
+    its metadata included), ratio, PSNR over chunks, max abs error; plus totals."""
+    path = Path(path)
+    group, info = open_store(path)
+    arrays = {}
+    for name, a in info["arrays"].items():
+        table = chunk_table(group, name)
+        stored = directory_bytes(path / name) + directory_bytes(path / META_GROUP / name)
+        entry = {
+            "shape": a["shape"], "dtype": a["dtype"], "layout": a["layout"], "axes": a["axes"],
+            "chunks": a["chunks"], "target": a["target"], "codec": a["codec"], "peak": a["peak"],
+            "original_bytes": a["original_bytes"], "stored_bytes": stored, "ratio": a["original_bytes"] / stored,
+            "psnr": a["psnr"], "psnr_min": float(table["psnr"].min()), "psnr_mean": float(table["psnr"].mean()),
+            "psnr_max": float(table["psnr"].max()), "max_abs_error": float(table["max_abs_error"].max()),
+        }
+        if chunks:
+            entry["chunk_table"] = {k: v.tolist() for k, v in table.items()}
+        arrays[name] = entry
+    lossless = {}
+    for name in info.get("lossless", []):
+        arr = group[name]
+        lossless[name] = {"shape": list(arr.shape), "dtype": str(arr.dtype),
+                          "original_bytes": int(arr.nbytes), "stored_bytes": directory_bytes(path / name)}
+    original = sum(a["original_bytes"] for a in arrays.values()) + sum(a["original_bytes"] for a in lossless.values())
+    stored = directory_bytes(path)
+    return {
+        "store": str(path), "version": info.get("version"), "created": info.get("created"),
+        "source": info.get("source"), "arrays": arrays, "lossless": lossless,
+        "totals": {"original_bytes": original, "stored_bytes": stored, "ratio": original / stored},
+    }
+
+
+def verify_store(path: str | Path, source_path: str | Path) -> dict:
+    """Decode every chunk, recompute PSNR and max error against ``source_path`` and compare with the stored
+    metadata. Returns per array the number of chunks checked and the mismatches found."""
+    group, info = open_store(path)
+    source = open_source(str(source_path), datasets=[a["source"] for a in info["arrays"].values()])
+    by_name = {a.name: a for a in source.lossy}
+    report = {}
+    for name, a in info["arrays"].items():
+        src = by_name.get(a["source"])
+        if src is None or list(src.shape) != a["shape"] or str(src.dtype) != a["dtype"]:
+            raise DctchopError(f"{source_path} has no array {a['source']} of shape {a['shape']} and dtype "
+                               f"{a['dtype']} to verify {name} against")
+        arr = group[name]
+        table = chunk_table(group, name)
+        mismatches = []
+        for i, (s, e) in enumerate(_chunk_ranges(a["shape"][0], a["chunks"][0])):
+            x = src.read(s, e)
+            psnr, max_err, _ = _chunk_metrics(x, arr[s:e], a["peak"])
+            stored_psnr, stored_err = float(table["psnr"][i]), float(table["max_abs_error"][i])
+            same_psnr = (psnr == stored_psnr) or math.isclose(psnr, stored_psnr, rel_tol=1e-6, abs_tol=1e-6)
+            same_err = math.isclose(max_err, stored_err, rel_tol=1e-6, abs_tol=1e-9 * max(a["peak"], 1.0))
+            if not (same_psnr and same_err):
+                mismatches.append({"chunk": i, "psnr": psnr, "stored_psnr": stored_psnr,
+                                   "max_abs_error": max_err, "stored_max_abs_error": stored_err})
+        report[name] = {"chunks": len(table["psnr"]), "mismatches": mismatches}
+    for name in info.get("lossless", []):
+        src = next((a for a in source.lossless if a.name.strip("/") == name), None)
+        if src is not None and not np.array_equal(src.read(0, src.shape[0]) if src.shape else src.read(0, 1),
+                                                  group[name][...]):
+            report[name] = {"chunks": 1, "mismatches": [{"lossless": "differs from source"}]}
+    return report

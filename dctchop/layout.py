@@ -1,0 +1,66 @@
+"""Which axes of an array are transformed, inferred for the common layouts.
+
+=================  =========================  ==============================================
+shape              layout                     transformed axes
+=================  =========================  ==============================================
+(H, W)             single image or 2-D field  (0, 1)
+(H, W, C), C<=4    single image, channels     (0, 1)
+(N, H, W)          image stack                (1, 2)  when N > 2 * max(H, W) or integer dtype
+(Z, Y, X)          3-D field                  (0, 1, 2)  otherwise (float, similar extents)
+(N, H, W, C), C<=4 NHWC image stack           (1, 2)
+(N, C, H, W), C<=4 NCHW image stack           (2, 3)
+(N, Z, Y, X)       stack of 3-D fields        (1, 2, 3)
+(N, C, Z, Y, X)    channels-first 3-D fields  (2, 3, 4)
+(N, Z, Y, X, C)    channels-last 3-D fields   (1, 2, 3)
+=================  =========================  ==============================================
+
+Anything else needs explicit axes. Axis 0 is the sample axis whenever it is not transformed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dctchop.errors import DctchopError
+
+MAX_CHANNELS = 4
+
+
+def infer_axes(shape: tuple[int, ...], dtype) -> tuple[tuple[int, ...], str]:
+    """(axes, layout name) for an array of ``shape`` and ``dtype``; raises when no rule applies."""
+    ndim = len(shape)
+    small = lambda n: n <= MAX_CHANNELS
+    if ndim == 2:
+        return (0, 1), "HW"
+    if ndim == 3:
+        if small(shape[2]) and not small(shape[1]):
+            return (0, 1), "HWC"
+        if np.dtype(dtype).kind in "iu" or shape[0] > 2 * max(shape[1], shape[2]):
+            return (1, 2), "NHW"
+        return (0, 1, 2), "ZYX"
+    if ndim == 4:
+        if small(shape[3]) and not small(shape[2]):
+            return (1, 2), "NHWC"
+        if small(shape[1]) and not small(shape[2]):
+            return (2, 3), "NCHW"
+        return (1, 2, 3), "NZYX"
+    if ndim == 5:
+        if small(shape[4]) and not small(shape[3]):
+            return (1, 2, 3), "NZYXC"
+        if small(shape[1]):
+            return (2, 3, 4), "NCZYX"
+    raise DctchopError(f"cannot infer which axes to transform for shape {list(shape)}; pass --axes")
+
+
+def parse_axes(text: str, ndim: int) -> tuple[int, ...]:
+    """``"1,2"`` -> (1, 2); negative axes count from the end."""
+    try:
+        given = [int(a) for a in text.split(",") if a.strip()]
+    except ValueError:
+        raise DctchopError(f"--axes must be comma-separated integers, got {text!r}") from None
+    if not given:
+        raise DctchopError("--axes names no axis")
+    bad = [a for a in given if not -ndim <= a < ndim]
+    if bad:
+        raise DctchopError(f"--axes {text}: axis {bad[0]} is out of range for a {ndim}-d array")
+    return tuple(sorted(a % ndim for a in given))

@@ -1,0 +1,463 @@
+"""The dctchop store: a Zarr v3 group of compressed arrays, lossless copies and per-chunk metadata.
+
+Layout of a store made from ``images.h5`` (datasets ``/images`` and ``/labels``)::
+
+    images.zarr/                     group; attrs: source attrs + "dctchop" (version, source, settings, totals)
+      images                         original shape and dtype; codecs dctchop -> zstd -> crc32c
+      labels                         lossless: bytes -> zstd -> crc32c
+      dctchop_meta/images/psnr       per-chunk metadata, shaped like the chunk grid of ``images``
+      dctchop_meta/images/...        max_abs_error, rmse, stored_bytes, step
+
+A ``.npy`` input becomes one array named ``data``. Arrays are chunked along axis 0 only (whole samples; slabs
+of whole blocks when axis 0 is transformed), so every chunk is written once, whole.
+
+PSNR is ``20 log10(peak) - 10 log10(MSE)``, peak = the dtype's range for integer dtypes (255 for uint8) and
+max - min of the original array for floating dtypes.
+
+Every chunk is read back from the store after it is written and compared with the original, so the
+metadata describes what is on disk, not what the encoder intended.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numcodecs
+import numpy as np
+import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from dctchop import quantize as qz
+from dctchop._version import __version__
+from dctchop.codec import DTYPE_CODES, ChunkSettings, DctChopCodec, encode_chunk, read_header
+from dctchop.errors import DctchopError
+from dctchop.formats import Source, SourceArray
+from dctchop.layout import infer_axes
+from dctchop.transform import make_plan, resolve_threads
+
+STORE_FORMAT = 1
+META_GROUP = "dctchop_meta"
+SINGLE_ARRAY_NAME = "data"
+ZSTD_LEVEL = 3
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_PSNR_INTEGER = 40.0
+DEFAULT_PSNR_FLOAT = 60.0
+RATIO_TOLERANCE = 0.05
+RATIO_SAMPLE_BYTES = 64 << 20
+META_FIELDS = {"psnr": "f8", "max_abs_error": "f8", "rmse": "f8", "stored_bytes": "i8", "step": "f8"}
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class Target:
+    """The quality target: ``keep`` (the paper's chop, k per axis), ``ratio`` or ``psnr``."""
+
+    kind: str
+    value: float | tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind == "ratio" and not (isinstance(self.value, (int, float)) and self.value >= 1):
+            raise DctchopError(f"--ratio must be at least 1, got {self.value}")
+        if self.kind == "psnr" and not (isinstance(self.value, (int, float)) and 0 < self.value < 400):
+            raise DctchopError(f"--psnr must be a positive number of dB, got {self.value}")
+
+
+@dataclass(frozen=True)
+class CompressOptions:
+    """Settings for :func:`compress`; ``None`` fields take the documented defaults per array."""
+
+    target: Target | None = None
+    axes: tuple[int, ...] | None = None
+    block: tuple[int, ...] | int = 8
+    mask: str = "square"
+    precision: str | None = None
+    chunk_samples: int | None = None
+    workers: int = 0
+
+
+@dataclass
+class ArrayPlan:
+    """How one source array is stored: transform settings, chunking and the codec."""
+
+    source: SourceArray
+    name: str
+    axes: tuple[int, ...]
+    layout: str
+    chunks: tuple[int, ...]
+    settings: ChunkSettings
+    target: Target
+    peak: float
+
+    @property
+    def codec(self) -> DctChopCodec:
+        return DctChopCodec(**asdict(self.settings))
+
+
+def default_target(dtype) -> Target:
+    """No option given: PSNR 40 dB for integer (image) data, 60 dB for floating-point (scientific) data."""
+    return Target("psnr", DEFAULT_PSNR_INTEGER if np.dtype(dtype).kind in "iu" else DEFAULT_PSNR_FLOAT)
+
+
+def array_name(source: Source, array: SourceArray) -> str:
+    return SINGLE_ARRAY_NAME if source.kind == "npy" else array.name.strip("/")
+
+
+def _chunks(shape, axes, block, dtype, chunk_samples) -> tuple[int, ...]:
+    """Chunk along axis 0 only: ``chunk_samples`` samples (default: about 4 MB of input per chunk); when
+    axis 0 is transformed, a whole number of its blocks."""
+    sample_bytes = max(math.prod(shape[1:]) * np.dtype(dtype).itemsize, 1)
+    unit = block[0] if 0 in axes else 1
+    if chunk_samples is None:
+        chunk_samples = max(unit, (DEFAULT_CHUNK_BYTES // sample_bytes) // unit * unit)
+    elif chunk_samples < 1:
+        raise DctchopError(f"--chunk-samples must be at least 1, got {chunk_samples}")
+    elif 0 in axes and chunk_samples % unit:
+        raise DctchopError(f"--chunk-samples must be a multiple of the block size {unit} along axis 0")
+    return (max(1, min(chunk_samples, shape[0])), *shape[1:])
+
+
+def plan_array(source: Source, array: SourceArray, options: CompressOptions) -> ArrayPlan:
+    """Check one array against the options and decide its transform, chunking and codec settings."""
+    name = array_name(source, array)
+    if array.dtype not in DTYPE_CODES:
+        raise DctchopError(f"{name}: unsupported dtype {array.dtype}; supported: "
+                           f"{', '.join(map(str, DTYPE_CODES))}")
+    if 0 in array.shape:
+        raise DctchopError(f"{name}: array is empty (shape {list(array.shape)})")
+    if options.axes is not None:
+        axes, layout = tuple(options.axes), "custom"
+    else:
+        axes, layout = infer_axes(array.shape, array.dtype)
+    block = tuple(int(b) for b in np.broadcast_to(np.atleast_1d(options.block), (len(axes),)))
+    for a, b in zip(axes, block):
+        if array.shape[a] < 2:
+            raise DctchopError(f"{name}: transformed axis {a} has length {array.shape[a]}; pick other --axes")
+    target = options.target or default_target(array.dtype)
+    peak = qz.dtype_peak(array.dtype)
+    if target.kind == "keep":
+        keep = tuple(int(k) for k in np.broadcast_to(np.atleast_1d(target.value), (len(axes),)))
+        precision = options.precision or "float16"
+        settings = ChunkSettings(axes, block, keep, options.mask, precision)
+    else:
+        precision = options.precision or "int16"
+        if precision not in qz.INT_PRECISIONS:
+            raise DctchopError(f"--{target.kind} needs an integer precision (int8 or int16), got {precision}")
+        settings = ChunkSettings(axes, block, block, options.mask, precision,
+                                 target_psnr=float(target.value) if target.kind == "psnr" else None)
+    chunks = _chunks(array.shape, axes, block, array.dtype, options.chunk_samples)
+    make_plan(chunks, axes, block, settings.keep, settings.mask)  # validate before any work
+    return ArrayPlan(array, name, axes, layout, chunks, settings, target, peak if peak is not None else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------- scanning
+
+
+def _chunk_ranges(length: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def scan_float(plan: ArrayPlan) -> None:
+    """Refuse NaN/Inf (with their count and first index) and set the PSNR peak to max - min."""
+    lo, hi, bad, first = math.inf, -math.inf, 0, None
+    for s, e in _chunk_ranges(plan.source.shape[0], plan.chunks[0]):
+        x = plan.source.read(s, e)
+        finite = np.isfinite(x)
+        if not finite.all():
+            if first is None:
+                first = tuple(int(i) for i in np.argwhere(~finite)[0])
+                first = (first[0] + s, *first[1:])
+            bad += int(x.size - np.count_nonzero(finite))
+            continue
+        lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+    if bad:
+        raise DctchopError(f"{plan.name}: {bad} NaN or infinite values, first at index {list(first)}")
+    plan.peak = hi - lo
+    if plan.settings.target_psnr is not None:
+        plan.settings = replace(plan.settings, peak=plan.peak if plan.peak > 0 else 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- ratio search
+
+
+def _sample_ranges(plan: ArrayPlan) -> list[tuple[int, int]]:
+    ranges = _chunk_ranges(plan.source.shape[0], plan.chunks[0])
+    chunk_bytes = math.prod(plan.chunks) * plan.source.dtype.itemsize
+    n = max(1, min(len(ranges), RATIO_SAMPLE_BYTES // max(chunk_bytes, 1)))
+    picks = np.unique(np.linspace(0, len(ranges) - 1, n).round().astype(int))
+    return [ranges[i] for i in picks]
+
+
+def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int) -> float:
+    """Quantization step whose compressed size on a sample of chunks gives ``ratio`` (within 1%)."""
+    zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
+    sample = [_padded(plan, *r) for r in _sample_ranges(plan)]
+    original = sum(x.nbytes for x in sample) * _real_fraction(plan, _sample_ranges(plan))
+
+    def achieved(step: float) -> float:
+        settings = replace(plan.settings, step=step, target_psnr=None)
+        stored = sum(len(zstd.encode(encode_chunk(x, settings, threads))) + 4 for x in sample)
+        return original / stored
+
+    scale = max(plan.peak, float(max(np.abs(x).max() for x in sample)), 1e-30)
+    lo, hi = math.log(scale * 1e-7), math.log(scale * 64)
+    if achieved(math.exp(lo)) > ratio * (1 + RATIO_TOLERANCE):
+        raise DctchopError(f"{plan.name}: ratio {ratio:g} is lower than the finest {plan.settings.precision} "
+                           f"quantization gives ({achieved(math.exp(lo)):.3g}); ask for a higher ratio")
+    if achieved(math.exp(hi)) < ratio:
+        raise DctchopError(f"{plan.name}: ratio {ratio:g} is unreachable (at most about "
+                           f"{achieved(math.exp(hi)):.3g} with these settings)")
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        r = achieved(math.exp(mid))
+        if abs(r / ratio - 1) < 0.01:
+            return math.exp(mid)
+        lo, hi = (mid, hi) if r < ratio else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+def _real_fraction(plan: ArrayPlan, ranges) -> float:
+    return sum(e - s for s, e in ranges) / (len(ranges) * plan.chunks[0])
+
+
+def _padded(plan: ArrayPlan, start: int, stop: int) -> np.ndarray:
+    """Samples [start, stop) zero-padded to a whole chunk, as Zarr hands an edge chunk to the codec."""
+    x = plan.source.read(start, stop)
+    if stop - start == plan.chunks[0]:
+        return x
+    out = np.zeros(plan.chunks, dtype=x.dtype)
+    out[: stop - start] = x
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def _temporary_sibling(output: Path) -> Path:
+    return output.with_name(f".{output.name}.dctchop-tmp-{os.getpid()}")
+
+
+def _check_output(source_path: str, output: Path, overwrite: bool) -> None:
+    out = output.resolve()
+    src = Path(source_path).resolve()
+    if out == src or src in out.parents:
+        raise DctchopError(f"output {output} must not be the input or inside it")
+    if not out.parent.is_dir():
+        raise DctchopError(f"output directory {output.parent} does not exist")
+    if out.exists() and not overwrite:
+        raise DctchopError(f"output {output} exists; pass --overwrite to replace it")
+
+
+def _chunk_file(root: Path, name: str, index: int, ndim: int) -> Path:
+    """Where Zarr's default chunk key encoding puts chunk ``index`` of an array chunked along axis 0."""
+    return root / name / "c" / "/".join([str(index)] + ["0"] * (ndim - 1))
+
+
+def _read_stored_chunk(path: Path) -> bytes:
+    """The dctchop bytes of one stored chunk: strip the crc32c trailer, undo zstd."""
+    raw = path.read_bytes()
+    return numcodecs.Zstd().decode(raw[:-4])
+
+
+def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, float, float]:
+    diff = y.astype(np.float64) - x.astype(np.float64)
+    mse = float(np.mean(diff * diff)) if diff.size else 0.0
+    return qz.psnr(mse, peak), float(np.max(np.abs(diff))) if diff.size else 0.0, math.sqrt(mse)
+
+
+def _write_lossy(group: zarr.Group, root: Path, plan: ArrayPlan, workers: int,
+                 progress: Callable[[int], None]) -> dict:
+    src = plan.source
+    arr = group.create_array(plan.name, shape=src.shape, chunks=plan.chunks, dtype=src.dtype,
+                             serializer=plan.codec, compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()],
+                             fill_value=0, attributes=src.attrs)
+    ranges = _chunk_ranges(src.shape[0], plan.chunks[0])
+    meta = {k: np.zeros(len(ranges), dtype=v) for k, v in META_FIELDS.items()}
+    sse = 0.0
+
+    def encode(i: int, start: int, stop: int) -> float:
+        x = src.read(start, stop)
+        arr[start:stop] = x
+        y = arr[start:stop]
+        psnr, max_err, rmse = _chunk_metrics(x, y, plan.peak)
+        path = _chunk_file(root, plan.name, i, len(src.shape))
+        header = read_header(_read_stored_chunk(path))
+        meta["psnr"][i], meta["max_abs_error"][i], meta["rmse"][i] = psnr, max_err, rmse
+        meta["stored_bytes"][i] = path.stat().st_size
+        meta["step"][i] = float(np.min(header.steps)) if header.steps is not None else math.nan
+        progress(x.nbytes)
+        return rmse * rmse * x.size
+
+    for done in _bounded_map(encode, [(i, s, e) for i, (s, e) in enumerate(ranges)], workers):
+        sse += done
+    _write_meta(group, plan, meta)
+    return {"sse": sse, "meta": meta}
+
+
+def _bounded_map(fn, items, workers: int) -> Iterator:
+    """``fn(*item)`` on ``workers`` threads with at most ``workers + 1`` items in flight (bounded memory)."""
+    if workers <= 1:
+        for item in items:
+            yield fn(*item)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-compress") as pool:
+        pending = set()
+        try:
+            for item in items:
+                if len(pending) > workers:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        yield f.result()
+                pending.add(pool.submit(fn, *item))
+            for f in pending:
+                yield f.result()
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+
+
+def _write_meta(group: zarr.Group, plan: ArrayPlan, meta: dict) -> None:
+    grid = tuple(-(-s // c) for s, c in zip(plan.source.shape, plan.chunks))
+    meta_group = group.require_group(META_GROUP).require_group(plan.name)
+    for key, values in meta.items():
+        a = meta_group.create_array(key, shape=grid, chunks=grid, dtype=values.dtype,
+                                    compressors=[ZstdCodec(level=ZSTD_LEVEL)], fill_value=0)
+        a[...] = values.reshape(grid)
+
+
+def _write_lossless(group: zarr.Group, source: Source, array: SourceArray,
+                    progress: Callable[[int], None]) -> None:
+    name = array_name(source, array)
+    sample_bytes = max(math.prod(array.shape[1:]) * array.dtype.itemsize, 1)
+    chunk0 = max(1, min(array.shape[0] if array.shape else 1, DEFAULT_CHUNK_BYTES // sample_bytes))
+    chunks = (chunk0, *array.shape[1:]) if array.shape else ()
+    arr = group.create_array(name, shape=array.shape, chunks=chunks or None, dtype=array.dtype,
+                             compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0,
+                             attributes=array.attrs)
+    if not array.shape:
+        arr[...] = array.read(0, 1)
+        return
+    for s, e in _chunk_ranges(array.shape[0], chunk0):
+        x = array.read(s, e)
+        arr[s:e] = x
+        progress(x.nbytes)
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def compress(source: Source, output: str | os.PathLike, options: CompressOptions = CompressOptions(),
+             overwrite: bool = False, progress: Callable[[int], None] = lambda n: None,
+             plans: list[ArrayPlan] | None = None) -> dict:
+    """Compress ``source`` into a new store at ``output``; return the summary (also stored in the attrs).
+
+    The store is written to a temporary sibling and renamed into place only when complete: an error or
+    interruption leaves ``output`` as it was (absent, or the old store with ``overwrite``).
+    """
+    output = Path(output)
+    _check_output(source.path, output, overwrite)
+    plans = plans if plans is not None else [plan_array(source, a, options) for a in source.lossy]
+    if not plans:
+        raise DctchopError(f"{source.path}: nothing to compress lossily (no numeric array with 2 or more "
+                           "dimensions); name one with --dataset")
+    workers = resolve_threads(options.workers)
+    tmp = _temporary_sibling(output)
+    shutil.rmtree(tmp, ignore_errors=True)
+    started = time.perf_counter()
+    try:
+        group = zarr.open_group(str(tmp), mode="w", zarr_format=3)
+        for path, attrs in sorted(source.groups.items()):
+            if path.strip("/"):
+                group.require_group(path.strip("/")).attrs.update(attrs)
+        arrays = {}
+        for plan in plans:
+            if plan.source.dtype.kind == "f":
+                scan_float(plan)
+            if plan.target.kind == "ratio":
+                plan.settings = replace(plan.settings, step=search_ratio_step(plan, float(plan.target.value),
+                                                                              workers))
+            result = _write_lossy(group, tmp, plan, workers, progress)
+            arrays[plan.name] = _array_summary(plan, result, tmp)
+        for array in source.lossless:
+            _write_lossless(group, source, array, progress)
+        seconds = time.perf_counter() - started
+        summary = _store_summary(source, arrays, tmp, seconds)
+        group.attrs.update({**source.groups.get("/", {}), "dctchop": json_safe(summary)})
+        if overwrite and output.exists():
+            old = output.with_name(f".{output.name}.dctchop-old-{os.getpid()}")
+            os.rename(output, old)
+            os.rename(tmp, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def _array_summary(plan: ArrayPlan, result: dict, root: Path) -> dict:
+    meta = result["meta"]
+    src = plan.source
+    original = math.prod(src.shape) * src.dtype.itemsize
+    stored = directory_bytes(root / plan.name) + directory_bytes(root / META_GROUP / plan.name)
+    mse = result["sse"] / math.prod(src.shape)
+    return {
+        "shape": list(src.shape),
+        "dtype": str(src.dtype),
+        "source": src.name,
+        "layout": plan.layout,
+        "axes": list(plan.axes),
+        "chunks": list(plan.chunks),
+        "target": {"kind": plan.target.kind, "value": _jsonable(plan.target.value)},
+        "codec": plan.codec.to_dict()["configuration"],
+        "peak": plan.peak,
+        "original_bytes": original,
+        "stored_bytes": stored,
+        "ratio": original / stored,
+        "psnr": qz.psnr(mse, plan.peak),
+        "psnr_min": float(np.min(meta["psnr"])),
+        "psnr_mean": float(np.mean(meta["psnr"])),
+        "psnr_max": float(np.max(meta["psnr"])),
+        "max_abs_error": float(np.max(meta["max_abs_error"])),
+        "rmse": math.sqrt(mse),
+    }
+
+
+def _jsonable(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _store_summary(source: Source, arrays: dict, root: Path, seconds: float) -> dict:
+    original = sum(a["original_bytes"] for a in arrays.values())
+    return {
+        "store_format": STORE_FORMAT,
+        "version": __version__,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "source": {"path": os.path.abspath(source.path), "kind": source.kind},
+        "arrays": arrays,
+        "lossless": [array_name(source, a) for a in source.lossless],
+        "totals": {
+            "original_bytes": original,
+            "lossy_stored_bytes": sum(a["stored_bytes"] for a in arrays.values()),
+            "seconds": seconds,
+            "mb_per_s": original / 1e6 / seconds if seconds > 0 else math.inf,
+        },
+    }
+
+
+def json_safe(obj):
+    """Summary -> JSON (inf/nan as strings, which json.dumps cannot write portably)."""
+    return json.loads(json.dumps(obj, default=str).replace("Infinity", '"inf"').replace("NaN", '"nan"'))

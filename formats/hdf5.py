@@ -1,0 +1,443 @@
+"""HDF5 input: walk the file once for metadata, read datasets lazily slab by slab.
+
+Why the walk is link by link rather than ``visititems``: ``visititems`` silently skips external links, and
+an external link (or a virtual dataset or external raw storage pointing at other files) makes the result
+depend on files the user never named, which may be missing on a worker, change independently, or, for a
+virtual dataset whose source is missing, read back as fill values without any error. So anything that
+leaves the file is refused unless ``follow_external=True``. Soft links stay inside the file and are fine;
+in the default scan an object is taken once, under its first hard-link path in name order (soft links and
+extra hard links to it are not copied again).
+
+Why variable-length data is refused: h5py reads it as numpy object arrays, which have no fixed-width
+representation to copy bit-exactly into a Zarr chunk. Fixed-width strings, bool, complex, enum, compound
+and opaque datasets are fixed-width numpy dtypes and are copied losslessly.
+
+Datasets are reported with their effective numpy shape and dtype as h5py reads them: an HDF5 array
+datatype ``(n,) x f4[3]`` is a ``(n, 3)`` float32 array.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+import numpy as np
+
+from dctchop.errors import DctchopError
+from dctchop.formats import (
+    _DROP,
+    Source,
+    SourceArray,
+    cached_handle,
+    close_all,
+    json_attrs,
+    native_dtype,
+)
+
+__all__ = ["open_hdf5", "read_hdf5"]
+
+_MAX_LISTED = 20  # datasets listed in a "no such dataset" message
+_MAX_LINK_DEPTH = 40  # soft links followed while resolving one name
+# what h5py raises for damaged files, unsupported types and unresolvable links
+_H5_ERRORS = (OSError, KeyError, RuntimeError, ValueError, TypeError)
+
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError as exc:  # pragma: no cover - h5py is a dependency
+        raise DctchopError(f"reading HDF5 needs h5py ({exc})") from None
+    return h5py
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _norm(name: str) -> str:
+    """``"a//b/"`` -> ``"/a/b"``: leading slash optional, empty components ignored."""
+    return "/" + "/".join(p for p in name.split("/") if p)
+
+
+def _open_file(file: str):
+    h5py = _h5py()
+    try:
+        return h5py.File(file, "r")
+    except OSError as exc:
+        msg = _one_line(exc)
+        if "signature not found" in msg:
+            raise DctchopError(f"{file}: not an HDF5 file (file signature not found)") from None
+        if isinstance(exc, PermissionError) or "ermission denied" in msg:
+            raise DctchopError(f"{file}: permission denied") from None
+        raise DctchopError(f"{file}: cannot open as HDF5 ({msg})") from None
+
+
+def _attrs(obj) -> dict:
+    """JSON-serialisable attrs of an h5py object; attributes h5py cannot read are dropped."""
+
+    def items():
+        try:
+            names = list(obj.attrs.keys())
+        except _H5_ERRORS:  # pragma: no cover - damaged attribute table
+            return
+        for key in names:
+            try:
+                value = obj.attrs[key]
+            except _H5_ERRORS:  # unsupported attribute type (e.g. some vlen/compound mixes)
+                value = _DROP
+            yield key, value
+
+    return json_attrs(items())
+
+
+def _effective(ds) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype of what ``ds[...]`` returns (HDF5 array datatypes become trailing axes)."""
+    dtype = ds.dtype
+    shape = tuple(int(n) for n in ds.shape)
+    if dtype.subdtype is not None:
+        base, sub = dtype.subdtype
+        return shape + tuple(int(n) for n in sub), base
+    return shape, dtype
+
+
+def _describe(dtype: np.dtype) -> str:
+    """A short human name for an h5py dtype, for error messages."""
+    h5py = _h5py()
+    string = h5py.check_string_dtype(dtype)
+    if string is not None and string.length is None:
+        return f"variable-length {string.encoding} string"
+    vlen = h5py.check_vlen_dtype(dtype)
+    if vlen is not None:
+        return f"variable-length sequence of {np.dtype(vlen)}"
+    if h5py.check_ref_dtype(dtype) is not None:
+        return "object reference"
+    if dtype.hasobject:
+        return "compound with variable-length fields" if dtype.fields else "object"
+    if h5py.check_enum_dtype(dtype) is not None:
+        return f"enum of {native_dtype(dtype)}"
+    nd = native_dtype(dtype)
+    if dtype.fields is not None:
+        return f"compound {nd}"
+    label = {"b": "bool", "c": "complex", "S": "fixed-width string", "U": "string", "V": "opaque"}.get(
+        dtype.kind
+    )
+    return f"{label} ({nd})" if label else str(nd)
+
+
+def _unsupported(ds) -> str | None:
+    """Why ``ds`` cannot be copied at all (``None`` if it can)."""
+    if ds.shape is None:
+        return "has a null dataspace (no data to copy)"
+    dtype = ds.dtype
+    if dtype.hasobject or (dtype.subdtype is not None and dtype.subdtype[0].hasobject):
+        return (
+            f"has dtype {_describe(dtype)}, which h5py reads as Python objects and cannot be copied "
+            "bit-exactly"
+        )
+    return None
+
+
+def _lossy_refusal(ds) -> str | None:
+    """Why ``ds`` cannot be compressed lossily (``None`` if it is numeric)."""
+    reason = _unsupported(ds)
+    if reason:
+        return reason
+    _shape, dtype = _effective(ds)
+    if _h5py().check_enum_dtype(ds.dtype) is not None:
+        return f"has dtype {_describe(ds.dtype)}: enum labels cannot be compressed lossily"
+    if dtype.kind not in "uif":
+        return f"has dtype {_describe(dtype)}: only integer and float data can be compressed lossily"
+    return None
+
+
+def _is_default_lossy(ds) -> bool:
+    shape, dtype = _effective(ds)
+    return dtype.kind in "uif" and len(shape) >= 2 and _h5py().check_enum_dtype(ds.dtype) is None
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _leaves_file(ds, file: str, follow_external: bool) -> str | None:
+    """Why reading ``ds`` would touch other files (``None`` if it would not, or that is allowed).
+
+    With ``follow_external`` the outside files are still checked to exist: a virtual dataset reads missing
+    sources as fill values without any error, which must never pass for data.
+    """
+    here = os.path.dirname(ds.file.filename)
+    outside: list[str] = []
+    missing: list[str] = []
+    if ds.is_virtual:
+        for vmap in ds.virtual_sources():
+            name = vmap.file_name
+            if name == "." or _same_file(os.path.join(here, name), ds.file.filename):
+                continue
+            outside.append(name)
+            if "%" not in name and not any(os.path.isfile(p) for p in (name, os.path.join(here, name))):
+                missing.append(name)
+        kind = "virtual dataset with sources in"
+    else:
+        ext = ds.external or ()
+        for name, _offset, _size in ext:
+            outside.append(name)
+            prefix = os.environ.get("HDF5_EXTFILE_PREFIX", "")
+            if not any(os.path.isfile(p) for p in (name, os.path.join(prefix, name))):
+                missing.append(name)
+        kind = "dataset with external raw storage in"
+    if not outside:
+        return None
+    files = ", ".join(sorted(set(outside)))
+    if not follow_external:
+        return f"is a {kind} other files ({files}); pass follow_external=True (--follow-external) to follow"
+    if missing:
+        return f"is a {kind} missing files ({', '.join(sorted(set(missing)))})"
+    return None
+
+
+class _NotFound(DctchopError):
+    """A name that resolves to nothing (re-worded by the caller)."""
+
+
+class _Walk:
+    """Every group and dataset reachable from the root, each object once."""
+
+    def __init__(self, f, follow_external: bool):
+        self.groups: dict[str, dict] = {}
+        self.datasets: list[tuple[str, object]] = []  # (path, h5py.Dataset)
+        self.problems: list[tuple[str, str]] = []  # (path, reason) for links that could not be taken
+        self._seen: set = set()
+        self._follow = follow_external
+        self._seen.add(f["/"].id)
+        self.groups["/"] = _attrs(f)
+        self._walk(f, "/")
+
+    def _walk(self, grp, prefix: str) -> None:
+        h5py = _h5py()
+        for key in grp:
+            path = posixpath.join(prefix, key)
+            try:
+                link = grp.get(key, getlink=True)
+            except _H5_ERRORS as exc:  # pragma: no cover - damaged link table
+                self.problems.append((path, f"cannot be read ({_one_line(exc)})"))
+                continue
+            if isinstance(link, h5py.SoftLink):
+                continue  # in-file alias: its target is taken at its own hard-link path
+            if isinstance(link, h5py.ExternalLink) and not self._follow:
+                reason = (
+                    f"is an external link to {link.filename}:{link.path}; pass follow_external=True "
+                    "(--follow-external) to follow it"
+                )
+                self.problems.append((path, reason))
+                continue
+            try:
+                obj = grp[key]
+            except _H5_ERRORS as exc:
+                what = (
+                    f"external link to {link.filename}:{link.path} cannot be followed"
+                    if isinstance(link, h5py.ExternalLink)
+                    else "cannot be opened"
+                )
+                self.problems.append((path, f"is an {what} ({_one_line(exc)})"))
+                continue
+            if obj.id in self._seen:
+                continue
+            self._seen.add(obj.id)
+            if isinstance(obj, h5py.Group):
+                self.groups[path] = _attrs(obj)
+                self._walk(obj, path)
+            elif isinstance(obj, h5py.Dataset):
+                self.datasets.append((path, obj))
+            # committed datatypes carry no data
+
+    def available(self) -> str:
+        names = sorted([p for p, _ in self.datasets] + [p for p, _ in self.problems])
+        if not names:
+            return "the file holds no datasets"
+        shown = ", ".join(names[:_MAX_LISTED])
+        more = f" (and {len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
+        return f"available datasets: {shown}{more}"
+
+
+def _lookup(f, path: str, follow_external: bool, file: str, walk: _Walk, depth: int = 0):
+    """The object at ``path``, resolving soft links ourselves so external links are caught on the way."""
+    h5py = _h5py()
+    if depth > _MAX_LINK_DEPTH:
+        raise DctchopError(f"{file}: {path}: too many levels of soft links")
+    obj = f["/"]
+    parts = [p for p in path.split("/") if p]
+    for i, part in enumerate(parts):
+        here = "/" + "/".join(parts[: i + 1])
+        if not isinstance(obj, h5py.Group):
+            raise _NotFound(f"{file}: no dataset {path} ({obj.name} is not a group); {walk.available()}")
+        try:
+            link = obj.get(part, getlink=True)
+        except _H5_ERRORS:  # pragma: no cover
+            link = None
+        if link is None:
+            raise _NotFound(f"{file}: no dataset {path}; {walk.available()}")
+        if isinstance(link, h5py.SoftLink):
+            target = posixpath.normpath(posixpath.join(obj.name, link.path))
+            try:
+                nxt = _lookup(obj.file, target, follow_external, file, walk, depth + 1)
+            except _NotFound:
+                raise _NotFound(
+                    f"{file}: {here} is a soft link to {link.path}, which does not exist; {walk.available()}"
+                ) from None
+        elif isinstance(link, h5py.ExternalLink):
+            if not follow_external:
+                via = "" if here == path else f"{path}: "
+                raise DctchopError(
+                    f"{file}: {via}{here} is an external link to {link.filename}:{link.path}; "
+                    "pass follow_external=True (--follow-external) to follow it"
+                )
+            try:
+                nxt = obj[part]
+            except _H5_ERRORS as exc:
+                raise DctchopError(
+                    f"{file}: {path}: external link {here} to {link.filename}:{link.path} cannot be followed "
+                    f"({_one_line(exc)})"
+                ) from None
+        else:
+            try:
+                nxt = obj[part]
+            except _H5_ERRORS as exc:
+                raise DctchopError(f"{file}: {path}: cannot open {here} ({_one_line(exc)})") from None
+        obj = nxt
+    return obj
+
+
+def _source_array(file: str, name: str, ds) -> SourceArray:
+    shape, dtype = _effective(ds)
+    return SourceArray(file=file, name=name, shape=shape, dtype=native_dtype(dtype), attrs=_attrs(ds))
+
+
+def _dedupe(names) -> list[str]:
+    out: list[str] = []
+    for n in names:
+        n = _norm(n)
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False) -> Source:
+    """Open ``file`` (absolute path of an existing HDF5 file) as a :class:`Source`.
+
+    See :func:`dctchop.formats.open_source` for the parameters and the selection rules.
+    """
+    h5py = _h5py()
+    lossy_names = _dedupe(datasets)
+    lossless_names = _dedupe(lossless)
+    both = [n for n in lossy_names if n in lossless_names]
+    if both:
+        raise DctchopError(f"{file}: {', '.join(both)} named both lossy (--dataset) and --lossless")
+    close_all(file)  # a rewritten file must not be read through an old handle
+    f = _open_file(file)
+    try:
+        walk = _Walk(f, follow_external)
+
+        def named(path: str, lossy: bool):
+            obj = _lookup(f, path, follow_external, file, walk)
+            if not isinstance(obj, h5py.Dataset):
+                kind = "a group" if isinstance(obj, h5py.Group) else "not a dataset"
+                raise DctchopError(f"{file}: {path} is {kind}, not a dataset; {walk.available()}")
+            reason = _lossy_refusal(obj) if lossy else _unsupported(obj)
+            reason = reason or _leaves_file(obj, file, follow_external)
+            if reason:
+                raise DctchopError(f"{file}: dataset {path} {reason}")
+            return obj
+
+        forced = [(n, named(n, lossy=False)) for n in lossless_names]
+        if lossy_names:
+            lossy = [_source_array(file, n, named(n, lossy=True)) for n in lossy_names]
+            kept = [_source_array(file, n, ds) for n, ds in forced]
+        else:
+            if walk.problems:
+                path, reason = walk.problems[0]
+                raise DctchopError(f"{file}: {path} {reason}")
+            forced_ids = {ds.id for _, ds in forced}
+            lossy, kept = [], []
+            for path, ds in walk.datasets:
+                if ds.id in forced_ids:
+                    continue
+                reason = _unsupported(ds) or _leaves_file(ds, file, follow_external)
+                if reason:
+                    raise DctchopError(
+                        f"{file}: dataset {path} {reason}; name the datasets to keep with datasets=/lossless= "
+                        "(--dataset/--lossless) to leave it out"
+                    )
+                (lossy if _is_default_lossy(ds) else kept).append(_source_array(file, path, ds))
+            kept += [_source_array(file, n, ds) for n, ds in forced]
+        groups = walk.groups
+    except DctchopError:
+        f.close()
+        raise
+    except _H5_ERRORS as exc:  # h5py errors on a damaged file
+        f.close()
+        raise DctchopError(f"{file}: cannot read HDF5 structure ({_one_line(exc)})") from None
+    f.close()
+    return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups)
+
+
+class _Handle:
+    """This process's open file plus the datasets already looked up in it."""
+
+    def __init__(self, file: str):
+        self.file = file
+        self.h5 = _open_file(file)
+        self.datasets: dict[str, object] = {}
+
+    def dataset(self, name: str, shape, dtype):
+        ds = self.datasets.get(name)
+        if ds is None:
+            try:
+                ds = self.h5[name]
+            except _H5_ERRORS as exc:
+                raise DctchopError(f"{self.file}: cannot open dataset {name} ({_one_line(exc)})") from None
+            got_shape, got_dtype = _effective(ds)
+            if got_shape != tuple(shape) or native_dtype(got_dtype) != dtype:
+                raise DctchopError(
+                    f"{self.file}: dataset {name} changed since it was opened "
+                    f"(now shape {got_shape}, dtype {native_dtype(got_dtype)})"
+                )
+            self.datasets[name] = ds
+        return ds
+
+    def close(self) -> None:
+        self.datasets.clear()
+        try:
+            self.h5.close()
+        except _H5_ERRORS:  # pragma: no cover - closing must never raise
+            return
+
+
+def read_hdf5(
+    file: str, name: str, dtype: np.dtype, shape: tuple[int, ...], start: int, stop: int
+) -> np.ndarray:
+    """Rows ``[start, stop)`` of dataset ``name`` as a fresh C-contiguous array of ``dtype``.
+
+    HDF5 converts byte order while reading (``read_direct`` into a native buffer), so big-endian data
+    costs no extra copy.
+    """
+    handle = cached_handle(file, _Handle)
+    ds = handle.dataset(name, shape, dtype)
+    out_shape = (stop - start,) + tuple(shape[1:]) if shape else ()
+    out = np.empty(out_shape, dtype=dtype)
+    if out.size == 0:
+        return out
+    sel = np.s_[start:stop] if shape else np.s_[()]
+    try:
+        if ds.dtype.subdtype is None:
+            ds.read_direct(out, source_sel=sel if shape else None)
+        else:  # HDF5 array datatype: h5py cannot read_direct into the expanded shape
+            out[...] = ds[sel]
+    except _H5_ERRORS as exc:
+        raise DctchopError(
+            f"{file}: cannot read dataset {name} rows {start}:{stop} ({_one_line(exc)})"
+        ) from None
+    return out

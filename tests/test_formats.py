@@ -1,0 +1,612 @@
+"""Tests for the input layer (dctchop.formats): selection rules, refusals, lazy and picklable reads."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import tempfile
+from dataclasses import FrozenInstanceError
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dctchop.errors import DctchopError
+from dctchop.formats import _HANDLES, Source, SourceArray, close_all, open_source
+
+
+@pytest.fixture(autouse=True)
+def _close_handles():
+    yield
+    close_all()
+
+
+def names(arrays):
+    return [a.name for a in arrays]
+
+
+# --------------------------------------------------------------------------------------------------------
+# paths
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.h5"
+    with pytest.raises(DctchopError, match="no such file") as info:
+        open_source(path)
+    assert str(path) in str(info.value)
+
+
+def test_directory(tmp_path):
+    d = tmp_path / "dir.h5"
+    d.mkdir()
+    with pytest.raises(DctchopError, match="is a directory") as info:
+        open_source(d)
+    assert str(d) in str(info.value)
+
+
+def test_unknown_extension(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("hello")
+    with pytest.raises(DctchopError, match="unsupported file type '.txt'") as info:
+        open_source(str(path))
+    assert str(path) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads anything")
+def test_unreadable_file(tmp_path):
+    path = tmp_path / "x.npy"
+    np.save(path, np.zeros((2, 2)))
+    path.chmod(0)
+    try:
+        with pytest.raises(DctchopError, match="permission denied"):
+            open_source(path)
+    finally:
+        path.chmod(0o644)
+
+
+def test_suffix_case_insensitive(tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((2, 3)))
+    os.rename(tmp_path / "x.npy", tmp_path / "X.NPY")
+    assert open_source(tmp_path / "X.NPY").kind == "npy"
+    with h5py.File(tmp_path / "Y.HDF5", "w") as f:
+        f["a"] = np.ones((2, 2))
+    assert open_source(tmp_path / "Y.HDF5").kind == "hdf5"
+
+
+# --------------------------------------------------------------------------------------------------------
+# .npy
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_npy_basic(tmp_path):
+    data = np.arange(5 * 4 * 3, dtype=np.float32).reshape(5, 4, 3)
+    path = tmp_path / "field.npy"
+    np.save(path, data)
+    src = open_source(str(path))
+    assert isinstance(src, Source)
+    assert src.kind == "npy" and src.path == str(path) and src.groups == {} and src.lossless == ()
+    (arr,) = src.lossy
+    assert arr.file == str(path) and os.path.isabs(arr.file)
+    assert arr.name == "field" and arr.shape == (5, 4, 3) and arr.dtype == np.float32 and arr.attrs == {}
+    for start, stop in [(0, 5), (1, 3), (4, 5), (2, 2)]:
+        out = arr.read(start, stop)
+        np.testing.assert_array_equal(out, data[start:stop])
+        assert type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable
+    np.testing.assert_array_equal(arr.read(), data)
+    out = arr.read(0, 1)
+    out[...] = -1  # a fresh copy: writing to it never touches the file or later reads
+    np.testing.assert_array_equal(arr.read(0, 1), data[:1])
+
+
+def test_npy_relative_path(tmp_path, monkeypatch):
+    np.save(tmp_path / "rel.npy", np.ones((2, 2)))
+    monkeypatch.chdir(tmp_path)
+    src = open_source("rel.npy")
+    assert src.path == str(tmp_path / "rel.npy")
+
+
+@pytest.mark.parametrize(
+    "dtype, fortran",
+    [(">f4", False), ("<f8", True), (">i2", True), (">u4", False), ("<u1", True)],
+)
+def test_npy_fortran_and_big_endian(tmp_path, dtype, fortran):
+    data = (np.arange(6 * 5 * 4) % 250).astype(dtype).reshape(6, 5, 4)
+    if fortran:
+        data = np.asfortranarray(data)
+    path = tmp_path / "a.npy"
+    np.save(path, data)
+    (arr,) = open_source(path).lossy
+    assert arr.dtype == np.dtype(dtype).newbyteorder("=") and arr.dtype.isnative
+    for start, stop in [(0, 6), (2, 5)]:
+        out = arr.read(start, stop)
+        assert out.flags.c_contiguous and out.dtype.isnative and out.dtype == arr.dtype
+        np.testing.assert_array_equal(out, data[start:stop])
+
+
+def test_npy_structured_big_endian(tmp_path):
+    data = np.array([(1, 2.5), (3, -1.0)], dtype=[("a", ">i4"), ("b", ">f8")])
+    np.save(tmp_path / "s.npy", data)
+    (arr,) = open_source(tmp_path / "s.npy").lossy
+    assert arr.dtype == np.dtype([("a", "=i4"), ("b", "=f8")])
+    out = arr.read()
+    assert out.tolist() == data.tolist() and out.dtype == arr.dtype
+
+
+def test_npy_object_refused(tmp_path):
+    path = tmp_path / "obj.npy"
+    np.save(path, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    with pytest.raises(DctchopError, match="pickled/object arrays are not supported") as info:
+        open_source(path)
+    assert str(path) in str(info.value)
+
+
+class _Evil:
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def test_npy_object_never_unpickled(tmp_path):
+    """A malicious object .npy is refused from its header: its pickle payload never runs."""
+    path = tmp_path / "evil.npy"
+    sentinel = tmp_path / "pwned"
+    with open(path, "wb") as fh:
+        np.lib.format.write_array_header_1_0(fh, {"descr": "|O", "fortran_order": False, "shape": (1,)})
+        fh.write(pickle.dumps(np.array([_Evil(str(sentinel))], dtype=object), protocol=2))
+    with pytest.raises(DctchopError, match="pickled/object"):
+        open_source(path)
+    assert not sentinel.exists()
+
+
+def test_npy_structured_with_object_field_refused(tmp_path):
+    path = tmp_path / "so.npy"
+    np.save(path, np.zeros(2, dtype=[("a", "i4"), ("b", "O")]), allow_pickle=True)
+    with pytest.raises(DctchopError, match="pickled/object"):
+        open_source(path)
+
+
+def test_npy_truncated(tmp_path):
+    path = tmp_path / "t.npy"
+    np.save(path, np.zeros((100, 10), np.float64))
+    path.write_bytes(path.read_bytes()[:-17])
+    with pytest.raises(DctchopError, match="truncated") as info:
+        open_source(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\x93NUM",
+        os.urandom(64),
+        b"\x93NUMPY\x01\x00\x10\x00{'descr': 'oops'",
+        b"\x93NUMPY\x09\x00aaaaaaaa",
+    ],
+    ids=["empty", "short-magic", "random", "bad-header", "bad-version"],
+)
+def test_npy_garbage(tmp_path, payload):
+    path = tmp_path / "junk.npy"
+    path.write_bytes(payload)
+    with pytest.raises(DctchopError) as info:
+        open_source(path)
+    msg = str(info.value)
+    assert str(path) in msg and "\n" not in msg
+
+
+def test_npy_zero_d_and_empty(tmp_path):
+    np.save(tmp_path / "s.npy", np.float64(2.5))
+    (arr,) = open_source(tmp_path / "s.npy").lossy
+    assert arr.shape == ()
+    out = arr.read()
+    assert out.shape == () and out == 2.5
+    assert arr.read(0, 1) == 2.5
+    with pytest.raises(ValueError):
+        arr.read(0, 0)
+    np.save(tmp_path / "e.npy", np.zeros((0, 3), np.int16))
+    (arr,) = open_source(tmp_path / "e.npy").lossy
+    assert arr.read().shape == (0, 3)
+
+
+def test_npy_dataset_selection(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones((2, 2)))
+    path = tmp_path / "a.npy"
+    assert names(open_source(path, datasets=["a"]).lossy) == ["a"]
+    assert names(open_source(path, datasets=["/a"]).lossy) == ["a"]
+    src = open_source(path, lossless=["a"])
+    assert src.lossy == () and names(src.lossless) == ["a"]
+    with pytest.raises(DctchopError, match="no dataset 'b'; an .npy file holds one array, named 'a'"):
+        open_source(path, datasets=["b"])
+    with pytest.raises(DctchopError, match="both"):
+        open_source(path, datasets=["a"], lossless=["a"])
+
+
+def test_read_range_checked(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones((4, 2)))
+    (arr,) = open_source(tmp_path / "a.npy").lossy
+    for start, stop in [(-1, 2), (3, 2), (0, 5)]:
+        with pytest.raises(ValueError):
+            arr.read(start, stop)
+    for start, stop in [(1.5, 2), (True, 2)]:
+        with pytest.raises(TypeError):
+            arr.read(start, stop)
+    np.testing.assert_array_equal(arr.read(np.int64(1), np.int32(3)), np.ones((2, 2)))
+
+
+def test_dataclasses_frozen(tmp_path):
+    np.save(tmp_path / "a.npy", np.ones((2, 2)))
+    src = open_source(tmp_path / "a.npy")
+    with pytest.raises(FrozenInstanceError):
+        src.kind = "x"
+    with pytest.raises(FrozenInstanceError):
+        src.lossy[0].shape = (1,)
+    assert len({src.lossy[0], open_source(tmp_path / "a.npy").lossy[0]}) == 1  # hashable despite attrs
+    assert hash(src) == hash(open_source(tmp_path / "a.npy"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 6), min_size=1, max_size=4).map(tuple),
+    dtype=st.sampled_from(["<f4", ">f8", "<i2", ">u2", "u1", "<f2"]),
+    fortran=st.booleans(),
+    data=st.data(),
+)
+def test_npy_slices_property(shape, dtype, fortran, data):
+    rng = np.random.default_rng(0)
+    arr = (rng.standard_normal(shape) * 50).astype(dtype)
+    if fortran:
+        arr = np.asfortranarray(arr)
+    start = data.draw(st.integers(0, shape[0]))
+    stop = data.draw(st.integers(start, shape[0]))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "p.npy")
+        np.save(path, arr)
+        (src,) = open_source(path).lossy
+        out = src.read(start, stop)
+        assert out.dtype.isnative and out.flags.c_contiguous
+        np.testing.assert_array_equal(out, arr[start:stop])
+        close_all()
+
+
+# --------------------------------------------------------------------------------------------------------
+# HDF5
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def h5file(tmp_path):
+    """A file with one of everything the default selection has to sort."""
+    path = tmp_path / "data.h5"
+    rng = np.random.default_rng(1)
+    with h5py.File(path, "w") as f:
+        f.attrs["title"] = "test"
+        f.attrs["n"] = np.int64(3)
+        f.create_dataset(
+            "images", data=rng.integers(0, 255, (10, 4, 4, 3), dtype=np.uint8), chunks=(3, 4, 4, 3)
+        )
+        f["images"].attrs["layout"] = "NHWC"
+        f.create_dataset("labels", data=np.arange(10, dtype=np.int64))
+        f.create_dataset("scalar", data=np.float32(1.5))
+        g = f.create_group("group")
+        g.attrs["units"] = b"m/s"
+        g.create_dataset("x", data=rng.standard_normal((6, 5)).astype(">f4"))
+        g.create_group("empty")
+        f.create_dataset("flags", data=np.ones((10, 2), bool))
+        f.create_dataset("names", data=np.array([b"a", b"bb"]))
+        f.create_dataset("cplx", data=np.ones((3, 3), np.complex64))
+        f.create_dataset("rec", data=np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]))
+        f.create_dataset(
+            "kind", data=np.zeros((4, 4), np.uint8), dtype=h5py.enum_dtype({"A": 0, "B": 1}, basetype="u1")
+        )
+    return path
+
+
+def test_hdf5_default_selection(h5file):
+    src = open_source(h5file)
+    assert src.kind == "hdf5" and src.path == str(h5file)
+    assert names(src.lossy) == ["/group/x", "/images"]
+    assert sorted(names(src.lossless)) == ["/cplx", "/flags", "/kind", "/labels", "/names", "/rec", "/scalar"]
+    assert set(src.groups) == {"/", "/group", "/group/empty"}
+    assert src.groups["/"] == {"title": "test", "n": 3}
+    assert src.groups["/group"] == {"units": "m/s"}
+    assert src.groups["/group/empty"] == {}
+    by_name = {a.name: a for a in src.arrays}
+    assert by_name["/images"].attrs == {"layout": "NHWC"}
+    assert by_name["/group/x"].dtype == np.dtype("float32") and by_name["/group/x"].dtype.isnative
+    assert by_name["/kind"].dtype == np.dtype("uint8") and by_name["/kind"].dtype.metadata is None
+    assert by_name["/names"].dtype == np.dtype("S2")
+    with h5py.File(h5file, "r") as f:
+        for a in src.arrays:
+            assert a.file == str(h5file)
+            assert a.shape == f[a.name].shape
+            out = a.read()
+            assert out.dtype == a.dtype and out.flags.c_contiguous
+            np.testing.assert_array_equal(out, f[a.name][()])
+
+
+@pytest.mark.parametrize("start, stop", [(0, 10), (0, 1), (2, 7), (9, 10), (5, 5)])
+def test_hdf5_slices(h5file, start, stop):
+    src = open_source(h5file)
+    with h5py.File(h5file, "r") as f:
+        for a in src.lossy:
+            n = a.shape[0]
+            s0, s1 = min(start, n), min(stop, n)
+            out = a.read(s0, s1)
+            assert out.flags.c_contiguous and out.dtype.isnative
+            np.testing.assert_array_equal(out, f[a.name][s0:s1])
+
+
+def test_hdf5_handle_cached_per_process(h5file):
+    (images,) = [a for a in open_source(h5file).lossy if a.name == "/images"]
+    images.read(0, 2)
+    keys = set(_HANDLES)
+    for i in range(5):
+        images.read(i, i + 1)
+    assert set(_HANDLES) == keys and len([k for k in keys if k[1] == str(h5file)]) == 1
+
+
+def test_hdf5_reopen_after_rewrite(tmp_path):
+    path = tmp_path / "r.h5"
+    with h5py.File(path, "w") as f:
+        f["a"] = np.zeros((3, 3))
+    open_source(path).lossy[0].read()
+    close_all(path)  # release this process's handle before rewriting the file
+    with h5py.File(path, "w") as f:
+        f["a"] = np.ones((4, 3))
+    (a,) = open_source(path).lossy
+    np.testing.assert_array_equal(a.read(), np.ones((4, 3)))
+
+
+def test_hdf5_attrs_converted(tmp_path):
+    path = tmp_path / "attrs.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("d", data=np.zeros((2, 2)))
+        d.attrs["i"] = np.int32(-4)
+        d.attrs["u"] = np.uint64(2**63)
+        d.attrs["f"] = np.float32(0.5)
+        d.attrs["nan"] = np.nan
+        d.attrs["b"] = np.bool_(True)
+        d.attrs["s"] = "héllo"
+        d.attrs["bytes"] = b"raw"
+        d.attrs["bad_bytes"] = np.void(b"\xff\xfe")
+        d.attrs["arr"] = np.arange(6).reshape(2, 3)
+        d.attrs["farr"] = np.array([1.5, 2.5], ">f8")
+        d.attrs["strs"] = ["a", "bc"]
+        d.attrs["fixed"] = np.array([b"x", b"yz"])
+        d.attrs["cplx"] = np.complex64(1 + 2j)
+        d.attrs["ref"] = f.ref
+        d.attrs["rec"] = np.array([(1, 2.0)], dtype=[("a", "i4"), ("b", "f8")])
+    (arr,) = open_source(path).lossy
+    a = arr.attrs
+    assert a["i"] == -4 and type(a["i"]) is int
+    assert a["u"] == 2**63 and a["f"] == 0.5 and type(a["f"]) is float
+    assert np.isnan(a["nan"]) and a["b"] is True
+    assert a["s"] == "héllo" and a["bytes"] == "raw"
+    assert a["arr"] == [[0, 1, 2], [3, 4, 5]] and a["farr"] == [1.5, 2.5]
+    assert a["strs"] == ["a", "bc"] and a["fixed"] == ["x", "yz"]
+    assert a["rec"] == [[1, 2.0]]
+    for dropped in ("cplx", "ref", "bad_bytes"):
+        assert dropped not in a
+    json.dumps(a)  # serialisable as is
+
+
+def test_hdf5_explicit_datasets(h5file):
+    src = open_source(h5file, datasets=["images", "/group//x/"], lossless=["labels"])
+    assert names(src.lossy) == ["/images", "/group/x"]
+    assert names(src.lossless) == ["/labels"]
+    assert set(src.groups) == {"/", "/group", "/group/empty"}
+    # duplicates collapse
+    assert names(open_source(h5file, datasets=["images", "/images"]).lossy) == ["/images"]
+
+
+def test_hdf5_missing_dataset_lists_available(h5file):
+    with pytest.raises(DctchopError, match="no dataset /nope") as info:
+        open_source(h5file, datasets=["nope"])
+    msg = str(info.value)
+    assert str(h5file) in msg and "/images" in msg and "/group/x" in msg and "\n" not in msg
+    with pytest.raises(DctchopError, match="no dataset /images/deeper"):
+        open_source(h5file, datasets=["images/deeper"])
+    with pytest.raises(DctchopError, match="no dataset /missing"):
+        open_source(h5file, lossless=["missing"])
+
+
+def test_hdf5_group_is_not_a_dataset(h5file):
+    with pytest.raises(DctchopError, match="/group is a group"):
+        open_source(h5file, datasets=["group"])
+
+
+@pytest.mark.parametrize(
+    "name, what",
+    [("cplx", "complex"), ("flags", "bool"), ("names", "string"), ("rec", "compound"), ("kind", "enum")],
+)
+def test_hdf5_non_numeric_refused_as_lossy(h5file, name, what):
+    with pytest.raises(DctchopError, match=what) as info:
+        open_source(h5file, datasets=[name])
+    assert f"/{name}" in str(info.value)
+    # ...but each copies losslessly when asked to
+    assert names(open_source(h5file, datasets=["images"], lossless=[name]).lossless) == [f"/{name}"]
+
+
+def test_hdf5_lossless_override(h5file):
+    src = open_source(h5file, lossless=["images"])
+    assert names(src.lossy) == ["/group/x"]
+    assert "/images" in names(src.lossless)
+    with pytest.raises(DctchopError, match="both"):
+        open_source(h5file, datasets=["images"], lossless=["/images"])
+
+
+def test_hdf5_variable_length_refused(tmp_path):
+    path = tmp_path / "vlen.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.ones((3, 3))
+        f.create_dataset("names", data=["a", "bcd"], dtype=h5py.string_dtype())
+    with pytest.raises(DctchopError, match="/names has dtype variable-length utf-8 string"):
+        open_source(path)
+    with pytest.raises(DctchopError, match="variable-length"):
+        open_source(path, datasets=["x"], lossless=["names"])
+    # explicit selection leaves it out
+    src = open_source(path, datasets=["x"])
+    assert names(src.lossy) == ["/x"] and src.lossless == ()
+
+
+def test_hdf5_big_endian_and_zero_d(tmp_path):
+    path = tmp_path / "be.h5"
+    data = np.arange(24, dtype=">i4").reshape(4, 6)
+    with h5py.File(path, "w") as f:
+        f["be"] = data
+        f["s"] = np.array(7.0, ">f8")
+        f.create_dataset("z", shape=(0, 5), dtype="<f4")
+    src = open_source(path)
+    by = {a.name: a for a in src.arrays}
+    assert by["/be"].dtype == np.dtype("int32") and by["/be"].dtype.isnative
+    np.testing.assert_array_equal(by["/be"].read(1, 3), data[1:3])
+    out = by["/s"].read()
+    assert out.shape == () and out == 7.0 and out.dtype.isnative
+    assert by["/z"].shape == (0, 5) and by["/z"].read().shape == (0, 5)
+
+
+def test_hdf5_array_datatype_expands(tmp_path):
+    path = tmp_path / "arrtype.h5"
+    with h5py.File(path, "w") as f:
+        tid = h5py.h5t.array_create(h5py.h5t.py_create(np.dtype(">f4")), (3,))
+        h5py.h5d.create(f.id, b"v", tid, h5py.h5s.create_simple((4,)))
+        f["v"][...] = np.arange(12, dtype=">f4").reshape(4, 3)
+    (a,) = open_source(path).lossy
+    assert a.shape == (4, 3) and a.dtype == np.float32
+    np.testing.assert_array_equal(a.read(1, 3), np.arange(3, 9, dtype=np.float32).reshape(2, 3))
+
+
+def test_hdf5_garbage(tmp_path):
+    path = tmp_path / "junk.h5"
+    path.write_bytes(os.urandom(4096))
+    with pytest.raises(DctchopError, match="not an HDF5 file") as info:
+        open_source(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_hdf5_soft_and_hard_links(tmp_path):
+    path = tmp_path / "links.h5"
+    with h5py.File(path, "w") as f:
+        f["data/x"] = np.arange(12.0).reshape(4, 3)
+        f["alias"] = h5py.SoftLink("/data/x")
+        f["data/rel"] = h5py.SoftLink("x")
+        f["hard"] = f["data/x"]  # a second hard link to the same object
+        f["dangling"] = h5py.SoftLink("/nowhere")
+    src = open_source(path)
+    assert names(src.lossy) == ["/data/x"]  # each object once, aliases not duplicated
+    for alias in ("alias", "data/rel"):
+        (a,) = open_source(path, datasets=[alias]).lossy
+        assert a.name == "/" + alias
+        np.testing.assert_array_equal(a.read(1, 3), np.arange(3.0, 9.0).reshape(2, 3))
+    with pytest.raises(DctchopError, match="soft link to /nowhere"):
+        open_source(path, datasets=["dangling"])
+
+
+@pytest.fixture
+def external(tmp_path):
+    """main.h5 with an external link to a dataset and to a group in sub/other.h5."""
+    (tmp_path / "sub").mkdir()
+    other = tmp_path / "sub" / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["x"] = np.arange(20.0).reshape(4, 5)
+        f["g/y"] = np.arange(6, dtype=np.int16).reshape(3, 2)
+        f["g"].attrs["where"] = "other"
+    main = tmp_path / "main.h5"
+    with h5py.File(main, "w") as f:
+        f["local"] = np.ones((2, 2))
+        f["ext"] = h5py.ExternalLink("sub/other.h5", "/x")
+        f["extg"] = h5py.ExternalLink("sub/other.h5", "/g")
+    return main
+
+
+def test_external_link_refused_by_default(external):
+    with pytest.raises(DctchopError, match="/ext is an external link.*follow_external=True") as info:
+        open_source(external)
+    assert "--follow-external" in str(info.value)
+    with pytest.raises(DctchopError, match="/ext is an external link"):
+        open_source(external, datasets=["ext"])
+    with pytest.raises(DctchopError, match="/extg is an external link"):
+        open_source(external, datasets=["extg/y"])
+    # not selected: not followed, not refused
+    assert names(open_source(external, datasets=["local"]).lossy) == ["/local"]
+
+
+def test_external_link_followed(external, monkeypatch):
+    monkeypatch.chdir("/")  # relative link targets resolve against the linking file, not the cwd
+    src = open_source(external, follow_external=True)
+    assert names(src.lossy) == ["/ext", "/extg/y", "/local"]
+    assert src.groups["/extg"] == {"where": "other"}
+    by = {a.name: a for a in src.lossy}
+    assert all(a.file == str(external) for a in src.lossy)
+    np.testing.assert_array_equal(by["/ext"].read(1, 3), np.arange(5.0, 15.0).reshape(2, 5))
+    np.testing.assert_array_equal(by["/extg/y"].read(), np.arange(6, dtype=np.int16).reshape(3, 2))
+    (a,) = open_source(external, datasets=["extg/y"], follow_external=True).lossy
+    assert a.shape == (3, 2)
+
+
+def test_external_link_target_missing(external):
+    os.remove(external.parent / "sub" / "other.h5")
+    with pytest.raises(DctchopError, match="cannot be followed"):
+        open_source(external, datasets=["ext"], follow_external=True)
+
+
+def test_virtual_dataset(tmp_path):
+    src_file = tmp_path / "part.h5"
+    with h5py.File(src_file, "w") as f:
+        f["p"] = np.arange(12.0).reshape(3, 4)
+    path = tmp_path / "vds.h5"
+    with h5py.File(path, "w") as f:
+        f["local"] = np.arange(8.0).reshape(2, 4)
+        layout = h5py.VirtualLayout(shape=(3, 4), dtype="f8")
+        layout[:] = h5py.VirtualSource("part.h5", "p", shape=(3, 4))
+        f.create_virtual_dataset("v", layout)
+        inner = h5py.VirtualLayout(shape=(2, 4), dtype="f8")
+        inner[:] = h5py.VirtualSource(".", "local", shape=(2, 4))
+        f.create_virtual_dataset("same", inner)
+    with pytest.raises(DctchopError, match="/v is a virtual dataset.*part.h5.*follow_external=True"):
+        open_source(path)
+    (same,) = open_source(path, datasets=["same"]).lossy  # sources inside the file are fine
+    np.testing.assert_array_equal(same.read(), np.arange(8.0).reshape(2, 4))
+    src = open_source(path, follow_external=True)
+    by = {a.name: a for a in src.lossy}
+    np.testing.assert_array_equal(by["/v"].read(1, 3), np.arange(4.0, 12.0).reshape(2, 4))
+    close_all()
+    os.remove(src_file)  # a VDS reads missing sources as fill values: must be an error, not zeros
+    with pytest.raises(DctchopError, match="missing files"):
+        open_source(path, datasets=["v"], follow_external=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# pickling and worker processes
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_source_array_pickles(h5file, tmp_path):
+    src = open_source(h5file)
+    for a in src.arrays:
+        b = pickle.loads(pickle.dumps(a))
+        assert b == a
+        close_all()  # the copy must reopen the file by itself
+        np.testing.assert_array_equal(b.read(), a.read())
+    np.save(tmp_path / "n.npy", np.arange(6).reshape(3, 2))
+    s2 = pickle.loads(pickle.dumps(open_source(tmp_path / "n.npy")))
+    close_all()
+    np.testing.assert_array_equal(s2.lossy[0].read(1, 3), [[2, 3], [4, 5]])
+
+
+def test_read_in_spawned_process(h5file):
+    (x,) = [a for a in open_source(h5file).lossy if a.name == "/group/x"]
+    x.read(0, 1)  # the parent holds an open handle; the child must open its own
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        out = pool.apply(SourceArray.read, (x, 1, 4))
+    np.testing.assert_array_equal(out, x.read(1, 4))
+    assert out.dtype.isnative
