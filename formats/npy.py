@@ -131,13 +131,31 @@ def read_npy(file: str, dtype: np.dtype, shape: tuple[int, ...], start: int, sto
     """Rows ``[start, stop)`` of the ``.npy`` file as a fresh C-contiguous array of ``dtype``.
 
     ``dtype``/``shape`` are what :func:`open_npy` reported; a file that no longer matches is an error.
+    C-ordered files are read with positioned reads straight into the result, so the process never holds
+    more of the input than the rows asked for (a memory map would keep every page it touched resident);
+    Fortran-ordered files, whose rows are not contiguous, go through the map.
     """
-    arr = _load(file)
-    if arr.shape != tuple(shape) or native_dtype(arr.dtype) != dtype:
-        raise DctchopError(f"{file}: changed since it was opened (now shape {arr.shape}, dtype {arr.dtype})")
-    part = arr[start:stop] if arr.ndim else arr
-    # np.array(..., subok=False) always copies into a plain ndarray: never hand out a view of the map.
-    return np.array(part, dtype=dtype, order="C", copy=True)
+    file_shape, fortran, file_dtype, offset = read_header(file)
+    if file_shape != tuple(shape) or native_dtype(file_dtype) != dtype:
+        raise DctchopError(f"{file}: changed since it was opened (now shape {file_shape}, dtype {file_dtype})")
+    if fortran:
+        arr = _load(file)
+        part = arr[start:stop] if arr.ndim else arr
+        # np.array(..., subok=False) always copies into a plain ndarray: never hand out a view of the map.
+        return np.array(part, dtype=dtype, order="C", copy=True)
+    rows = (stop - start) if shape else 1
+    row_items = math.prod(shape[1:]) if shape else 1
+    out = np.empty((rows, *shape[1:]) if shape else (), dtype=file_dtype)
+    with open(file, "rb", buffering=0) as fh:
+        fh.seek(offset + start * row_items * file_dtype.itemsize)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        got = 0
+        while got < len(view):
+            n = fh.readinto(view[got:])
+            if not n:
+                raise DctchopError(f"{file}: data ends early (truncated while reading rows {start}..{stop})")
+            got += n
+    return out if file_dtype == dtype else out.astype(dtype)
 
 
 def _one_line(exc: BaseException) -> str:
