@@ -337,10 +337,19 @@ def make_plan(shape, axes, block=8, keep=4, mask="square") -> TransformPlan:
     if any(not -len(shape) <= a < len(shape) for a in axes):
         raise DctchopError(f"axes {list(axes)} are out of range for a {len(shape)}-d array")
     axes = tuple(a % len(shape) for a in axes)
-    block = tuple(int(b) for b in np.broadcast_to(np.atleast_1d(block), (len(axes),)))
-    keep = tuple(int(k) for k in np.broadcast_to(np.atleast_1d(keep), (len(axes),)))
+    block, keep = (_per_axis(v, len(axes), name) for v, name in ((block, "block"), (keep, "keep")))
     _check_settings(shape, axes, block, keep, mask)
     return _plan(shape, axes, block, keep, mask)
+
+
+def _per_axis(value, n_axes: int, name: str) -> tuple[int, ...]:
+    """An int (same on every axis) or one int per transformed axis."""
+    values = tuple(int(v) for v in np.atleast_1d(value))
+    if len(values) == 1:
+        return values * n_axes
+    if len(values) != n_axes:
+        raise DctchopError(f"{name} needs one value or one per transformed axis ({n_axes}), got {len(values)}")
+    return values
 
 
 @lru_cache(maxsize=64)

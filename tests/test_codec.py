@@ -1,0 +1,486 @@
+"""Chunk format, PSNR targets and the Zarr v3 codec (dctchop.codec)."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dctchop import quantize as qz
+from dctchop.codec import (
+    FORMAT_VERSION,
+    MAGIC,
+    ChunkSettings,
+    DctChopCodec,
+    decode_chunk,
+    encode_chunk,
+    read_header,
+)
+from dctchop.errors import CorruptChunkError, DctchopError
+from dctchop.transform import compress_array, decompress_array, make_plan
+
+ALL_FIELDS = {"format_version", "axes", "block", "keep", "mask", "precision", "step", "target_psnr", "peak",
+              "weights"}
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def smooth_uint8_stack(seed=0, n=4, h=48, w=40, noise=0.5):
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w] / 8.0
+    out = []
+    for _ in range(n):
+        a = rng.uniform(0.5, 1.5, 4)
+        ph = rng.uniform(0, 6.28, 4)
+        img = 128 + 50 * np.sin(a[0] * xx + ph[0]) * np.cos(a[1] * yy + ph[1])
+        img += 30 * np.sin(a[2] * (xx + yy) / 2 + ph[2]) + rng.normal(0, noise, img.shape)
+        out.append(img)
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+def smooth_float_field(seed=1, shape=(3, 40, 40)):
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0 : shape[1], 0 : shape[2]] / 10.0
+    out = [3 * np.sin(xx * k) * np.exp(-yy / 5) + 0.01 * rng.standard_normal(xx.shape)
+           for k in rng.uniform(0.6, 1.4, shape[0])]
+    return np.asarray(out, dtype=np.float32)
+
+
+def measured_psnr(x, y, peak):
+    mse = float(np.mean((x.astype(np.float64) - y.astype(np.float64)) ** 2))
+    return qz.psnr(mse, peak)
+
+
+# ---------------------------------------------------------------------------------------------- round trip
+
+PRECISION_SETTINGS = [
+    {"precision": "float32"},
+    {"precision": "float16"},
+    {"precision": "bfloat16"},
+    {"precision": "int8"},  # no step: each band at full integer range
+    {"precision": "int8", "step": 0.5},
+    {"precision": "int16", "step": 0.05},
+    {"precision": "int16", "target_psnr": 45.0},
+]
+
+
+@pytest.mark.parametrize("kind", ["uint8", "float32"])
+@pytest.mark.parametrize("mask", ["square", "triangle"])
+@pytest.mark.parametrize("opts", PRECISION_SETTINGS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_encode_decode_round_trip(opts, mask, kind):
+    x = smooth_uint8_stack(n=2, h=21, w=19) if kind == "uint8" else smooth_float_field(shape=(2, 21, 19))
+    s = ChunkSettings(axes=(1, 2), block=(8, 6), keep=(5, 4), mask=mask, **opts)
+    chunk = encode_chunk(x, s)
+    assert isinstance(chunk, bytes) and chunk[:4] == MAGIC
+    y = decode_chunk(chunk, x.shape, x.dtype)
+    assert y.shape == x.shape and y.dtype == x.dtype
+
+    h = read_header(chunk)
+    plan = make_plan(x.shape, (1, 2), (8, 6), (5, 4), mask)
+    assert (h.dtype, h.precision, h.mask, h.shape) == (x.dtype, opts["precision"], mask, x.shape)
+    assert (h.axes, h.block, h.keep) == ((1, 2), (8, 6), (5, 4))
+    assert h.n_values == plan.n_values
+    assert len(chunk) == h.payload_offset + h.n_values * qz.STORAGE_DTYPES[opts["precision"]].itemsize
+
+    # error: the mask's (Parseval) error plus the precision's coefficient error plus integer output rounding
+    x64 = x.astype(np.float64)
+    values = compress_array(x64, plan)
+    mask_err = float(np.linalg.norm(decompress_array(values, plan, np.float64) - x64))
+    n = x.size
+    prec = opts["precision"]
+    if prec in ("float32", "bfloat16"):
+        assert h.steps is None
+        coef_err = (1e-5 if prec == "float32" else 2.0**-8) * float(np.linalg.norm(x64))
+    else:
+        assert h.steps is not None and h.steps.size == len(plan.bands) and np.all(h.steps > 0)
+        per_value = np.empty(values.size)
+        _, seg_starts, seg_bands = plan.order
+        for a, b, band in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
+            per_value[a:b] = h.steps[band]
+        if prec == "float16":
+            coef_err = 2.0**-10 * float(np.sqrt(np.sum((per_value * 2.0**15) ** 2)))
+        else:
+            coef_err = float(np.sqrt(np.sum((per_value / 2) ** 2)))
+            if "step" in opts:
+                assert np.all(h.steps >= opts["step"] * (1 - 1e-12))
+    rounding = 0.5 * math.sqrt(n) if kind == "uint8" else 0.0
+    bound = mask_err + coef_err + 1e-5 * float(np.linalg.norm(x64)) + rounding
+    assert float(np.linalg.norm(y.astype(np.float64) - x64)) <= bound
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "float16", "float32", "float64"])
+def test_every_data_dtype_round_trips(dtype):
+    x = smooth_uint8_stack(n=2, h=16, w=16).astype(dtype)
+    s = ChunkSettings(axes=(1, 2), block=(8, 8), keep=(8, 8))
+    y = decode_chunk(encode_chunk(x, s), x.shape, x.dtype)
+    assert y.dtype == np.dtype(dtype)
+    if dtype in ("float32", "float64"):  # lossless at keep == block up to float32 storage rounding
+        np.testing.assert_allclose(y, x, rtol=2e-6, atol=0)
+    else:  # integers exact; float16 holding 0..255 rounds back exactly
+        np.testing.assert_array_equal(y, x)
+
+
+def test_unsupported_dtype_raises():
+    with pytest.raises(DctchopError):
+        encode_chunk(np.zeros((8, 8), dtype=np.int32), ChunkSettings((0, 1), (8, 8), (4, 4)))
+
+
+def test_big_endian_input_is_accepted():
+    x = smooth_uint8_stack(n=1, h=16, w=16).astype(">u2")
+    y = decode_chunk(encode_chunk(x, ChunkSettings((1, 2), (8, 8), (8, 8))), x.shape, np.uint16)
+    np.testing.assert_array_equal(y, x)
+
+
+def test_out_of_range_axis_is_rejected_at_encode():
+    with pytest.raises(DctchopError):
+        encode_chunk(np.zeros((4, 8, 8), np.float32), ChunkSettings((3,), (8,), (4,)))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"precision": "float64"},
+        {"mask": "round"},
+        {"precision": "int8", "step": 1.0, "target_psnr": 40.0},
+        {"precision": "float32", "step": 1.0},
+        {"precision": "float16", "target_psnr": 40.0},
+        {"precision": "int16", "step": 0.0},
+        {"precision": "int16", "step": -1.0},
+        {"precision": "int16", "step": math.inf},
+    ],
+)
+def test_invalid_chunk_settings_raise(kwargs):
+    with pytest.raises(DctchopError):
+        ChunkSettings(axes=(0, 1), block=(8, 8), keep=(4, 4), **kwargs)
+
+
+def test_wrong_weight_count_raises():
+    s = ChunkSettings((0, 1), (8, 8), (4, 4), precision="int8", step=1.0, weights=(1.0, 2.0))
+    with pytest.raises(DctchopError):
+        encode_chunk(np.zeros((16, 16), np.float32), s)
+
+
+# ---------------------------------------------------------------------------------------------- PSNR target
+
+
+@pytest.mark.parametrize("target", [30.0, 40.0, 50.0])
+@pytest.mark.parametrize("precision", ["int8", "int16"])
+def test_psnr_target_uint8_stack(precision, target):
+    x = smooth_uint8_stack(seed=0)
+    s = ChunkSettings((1, 2), (8, 8), (6, 6), precision=precision, target_psnr=target)
+    y = decode_chunk(encode_chunk(x, s), x.shape, x.dtype)
+    achieved = measured_psnr(x, y, 255.0)
+    assert target - 0.05 <= achieved <= target + 3.0
+
+
+@pytest.mark.parametrize("target", [30.0, 40.0, 50.0])
+@pytest.mark.parametrize("precision", ["int8", "int16"])
+def test_psnr_target_float_field_with_peak(precision, target):
+    x = smooth_float_field()
+    peak = 10.0
+    s = ChunkSettings((1, 2), (8, 8), (6, 6), precision=precision, target_psnr=target, peak=peak)
+    y = decode_chunk(encode_chunk(x, s), x.shape, x.dtype)
+    achieved = measured_psnr(x, y, peak)
+    assert target - 0.05 <= achieved <= target + 3.0
+
+
+@pytest.mark.parametrize("precision", ["int8", "int16"])
+def test_lower_psnr_target_uses_coarser_steps(precision):
+    x = smooth_uint8_stack(seed=2)
+    steps = []
+    for target in (30.0, 40.0, 50.0):
+        s = ChunkSettings((1, 2), (8, 8), (6, 6), precision=precision, target_psnr=target)
+        chunk = encode_chunk(x, s)
+        steps.append(read_header(chunk).steps)
+    assert np.all(steps[0] >= steps[1]) and np.all(steps[1] >= steps[2])
+    assert np.any(steps[0] > steps[2])
+
+
+# ---------------------------------------------------------------------------------------------- header
+
+
+@pytest.fixture(scope="module")
+def chunks():
+    """A few small valid chunks: (bytes, shape, dtype)."""
+    rng = np.random.default_rng(9)
+    a = rng.integers(0, 256, (2, 9, 10)).astype(np.uint8)
+    b = rng.standard_normal((7, 6)).astype(np.float32)
+    c = rng.standard_normal((3, 5, 4)).astype(np.float64)
+    return [
+        (encode_chunk(a, ChunkSettings((1, 2), (4, 4), (3, 2), mask="triangle", precision="float16")), a.shape,
+         a.dtype),
+        (encode_chunk(b, ChunkSettings((0,), (4,), (3,), precision="int8", step=0.1)), b.shape, b.dtype),
+        (encode_chunk(c, ChunkSettings((0, 1, 2), (2, 3, 4), (1, 2, 3), precision="bfloat16")), c.shape, c.dtype),
+        (encode_chunk(b, ChunkSettings((1,), (3,), (2,), precision="int16")), b.shape, b.dtype),
+    ]
+
+
+def test_read_header_fields():
+    x = np.arange(2 * 9 * 10, dtype=np.uint16).reshape(2, 9, 10)
+    s = ChunkSettings((1, 2), (4, 5), (3, 2), mask="triangle", precision="int16", step=0.25)
+    chunk = encode_chunk(x, s)
+    h = read_header(chunk)
+    plan = make_plan(x.shape, (1, 2), (4, 5), (3, 2), "triangle")
+    assert h.dtype == np.uint16 and h.precision == "int16" and h.mask == "triangle"
+    assert h.shape == (2, 9, 10) and h.axes == (1, 2) and h.block == (4, 5) and h.keep == (3, 2)
+    assert h.n_values == plan.n_values
+    assert h.steps.dtype == np.float64 and h.steps.shape == (len(plan.bands),) and np.all(h.steps >= 0.25)
+    # fixed 12 bytes, 3 u32 shape, 3 x 2 u8 settings, u32 step count, steps, u64 value count
+    assert h.payload_offset == 12 + 4 * 3 + 6 + 4 + 8 * len(plan.bands) + 8
+    assert chunk[:4] == b"DCTC" and chunk[4] == FORMAT_VERSION
+    assert struct.unpack_from("<3I", chunk, 12) == (2, 9, 10)
+    assert len(chunk) == h.payload_offset + 2 * h.n_values
+    unit = read_header(encode_chunk(x, ChunkSettings((1, 2), (4, 5), (3, 2))))
+    assert unit.steps is None and unit.precision == "float32" and unit.mask == "square"
+
+
+def test_every_truncation_raises_corrupt_chunk(chunks):
+    for chunk, shape, dtype in chunks:
+        decode_chunk(chunk, shape, dtype)  # the full chunk is valid
+        for n in range(len(chunk)):
+            with pytest.raises(CorruptChunkError):
+                decode_chunk(chunk[:n], shape, dtype)
+        with pytest.raises(CorruptChunkError):
+            decode_chunk(chunk + b"\0", shape, dtype)
+
+
+def _patched(chunk: bytes, offset: int, value: int) -> bytes:
+    b = bytearray(chunk)
+    b[offset] = value
+    return bytes(b)
+
+
+def test_bad_magic_raises(chunks):
+    chunk, shape, dtype = chunks[0]
+    for i in range(4):
+        with pytest.raises(CorruptChunkError, match="magic"):
+            decode_chunk(_patched(chunk, i, chunk[i] ^ 0x20), shape, dtype)
+    with pytest.raises(CorruptChunkError):
+        read_header(b"\0" * 64)
+
+
+@pytest.mark.parametrize("version", [0, 2, 99, 255])
+def test_unknown_version_names_both_versions(chunks, version):
+    chunk, shape, dtype = chunks[0]
+    with pytest.raises(CorruptChunkError) as info:
+        decode_chunk(_patched(chunk, 4, version), shape, dtype)
+    message = str(info.value)
+    assert f"version {version}" in message and f"version {FORMAT_VERSION}" in message
+
+
+@pytest.mark.parametrize(
+    "offset, value",
+    [(5, 6), (5, 255), (6, 5), (6, 200), (7, 2), (7, 255), (8, 0), (8, 33), (9, 0), (9, 4), (10, 1), (11, 1)],
+    ids=["dtype6", "dtype255", "prec5", "prec200", "mask2", "mask255", "ndim0", "ndim33", "naxes0", "naxes4",
+         "reserved-lo", "reserved-hi"],
+)
+def test_bad_header_codes_raise(chunks, offset, value):
+    chunk, shape, dtype = chunks[0]
+    with pytest.raises(CorruptChunkError):
+        read_header(_patched(chunk, offset, value))
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(_patched(chunk, offset, value), shape, dtype)
+
+
+def test_wrong_expected_shape_or_dtype_raises(chunks):
+    chunk, shape, dtype = chunks[0]
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(chunk, (2, 9, 11), dtype)
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(chunk, (2, 90), dtype)
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(chunk, shape, np.uint16)
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(chunk, shape, np.float32)
+
+
+def test_bad_settings_steps_and_values_in_header_raise(chunks):
+    chunk, shape, dtype = chunks[0]  # uint8 (2, 9, 10), axes (1, 2), block (4, 4), keep (3, 2), float16
+    h = read_header(chunk)
+    settings_at = 12 + 4 * 3
+    bad = [
+        _patched(chunk, settings_at, 2),  # axes (2, 2): repeated
+        _patched(chunk, settings_at, 7),  # axis 7 of a 3-d chunk
+        _patched(chunk, settings_at + 2, 1),  # block 1
+        _patched(chunk, settings_at + 3, 65),  # block 65
+        _patched(chunk, settings_at + 4, 0),  # keep 0
+        _patched(chunk, settings_at + 5, 5),  # keep > block
+    ]
+    steps_at = h.payload_offset - 8 - 8 * h.steps.size
+    b = bytearray(chunk)
+    b[steps_at : steps_at + 8] = struct.pack("<d", -1.0)
+    bad.append(bytes(b))
+    b[steps_at : steps_at + 8] = struct.pack("<d", math.nan)
+    bad.append(bytes(b))
+    b = bytearray(chunk)
+    b[h.payload_offset - 8 : h.payload_offset] = struct.pack("<Q", h.n_values + 1)
+    bad.append(bytes(b))
+    b = bytearray(chunk)
+    b[h.payload_offset - 8 : h.payload_offset] = struct.pack("<Q", 2**63)
+    bad.append(bytes(b))
+    b = bytearray(chunk)
+    b[h.payload_offset : h.payload_offset + 2] = np.array([np.inf], "<f2").tobytes()
+    bad.append(bytes(b))
+    for data in bad:
+        with pytest.raises(CorruptChunkError):
+            decode_chunk(data, shape, dtype)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.integers(0, 3), data=st.data())
+def test_random_byte_mutations_never_crash(chunks, which, data):
+    chunk, shape, dtype = chunks[which]
+    header_len = read_header(chunk).payload_offset
+    position = st.one_of(st.integers(0, header_len - 1), st.integers(0, len(chunk) - 1))
+    edits = data.draw(st.lists(st.tuples(position, st.integers(0, 255)), min_size=1, max_size=4))
+    b = bytearray(chunk)
+    for pos, value in edits:
+        b[pos] = value
+    try:
+        with np.errstate(all="ignore"):
+            y = decode_chunk(bytes(b), shape, dtype)
+    except CorruptChunkError:
+        return
+    assert y.shape == shape and y.dtype == dtype
+
+
+# ---------------------------------------------------------------------------------------------- zarr
+
+
+def _create(path, codec, shape, chunks, dtype):
+    return zarr.open_group(str(path), mode="w").create_array(
+        "data", shape=shape, chunks=chunks, dtype=dtype, serializer=codec,
+        compressors=[zarr.codecs.ZstdCodec(level=3), zarr.codecs.Crc32cCodec()], fill_value=0,
+    )
+
+
+def test_zarr_lossless_round_trip_and_metadata(tmp_path):
+    x = smooth_uint8_stack(n=5, h=30, w=28)
+    codec = DctChopCodec(axes=(1, 2), block=(8, 8), keep=(8, 8))
+    arr = _create(tmp_path / "s.zarr", codec, x.shape, (2, 16, 16), "uint8")
+    arr[...] = x
+    back = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["data"]
+    y = back[...]
+    assert y.dtype == np.uint8
+    np.testing.assert_array_equal(y, x)
+    np.testing.assert_array_equal(back[1:4, 3:20, 5:27], x[1:4, 3:20, 5:27])
+
+    meta = json.loads((tmp_path / "s.zarr" / "data" / "zarr.json").read_text())
+    codecs = meta["codecs"]
+    assert codecs[0]["name"] == "dctchop"
+    config = codecs[0]["configuration"]
+    assert set(config) == ALL_FIELDS
+    assert config == {"format_version": FORMAT_VERSION, "axes": [1, 2], "block": [8, 8], "keep": [8, 8],
+                      "mask": "square", "precision": "float32", "step": None, "target_psnr": None, "peak": None,
+                      "weights": None}
+    assert [c["name"] for c in codecs[1:]] == ["zstd", "crc32c"]
+    assert DctChopCodec.from_dict(codecs[0]) == codec
+
+
+def test_zarr_lossy_matches_chunkwise_codec(tmp_path):
+    x = smooth_float_field(shape=(5, 30, 28))
+    codec = DctChopCodec(axes=(1, 2), block=(8, 6), keep=(5, 4), mask="triangle", precision="int16",
+                         step=0.01)
+    arr = _create(tmp_path / "s.zarr", codec, x.shape, (2, 16, 16), "float32")
+    arr[...] = x
+    y = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["data"][...]
+    assert y.dtype == np.float32 and y.shape == x.shape
+    # each chunk (partial edge chunks zero-padded to the full chunk shape) decodes on its own
+    expected = np.empty_like(x)
+    for i in range(0, 5, 2):
+        for j in range(0, 30, 16):
+            for k in range(0, 28, 16):
+                part = x[i : i + 2, j : j + 16, k : k + 16]
+                padded = np.zeros((2, 16, 16), np.float32)
+                padded[: part.shape[0], : part.shape[1], : part.shape[2]] = part
+                dec = decode_chunk(encode_chunk(padded, codec.settings), padded.shape, np.float32)
+                region = tuple(slice(0, n) for n in part.shape)
+                expected[i : i + 2, j : j + 16, k : k + 16] = dec[region]
+    np.testing.assert_array_equal(y, expected)
+    assert measured_psnr(x, y, float(x.max() - x.min())) > 30
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [
+        DctChopCodec(axes=(1, 2), block=(8, 8), keep=(4, 4)),
+        DctChopCodec(axes=(0,), block=(16,), keep=(5,), mask="triangle", precision="bfloat16"),
+        DctChopCodec(axes=(0, 1, 2), block=(4, 4, 2), keep=(2, 3, 1), precision="int8", step=0.5,
+                     weights=(1.0, 2.0, 2.0, 3.0, 3.0, 4.0)),
+        DctChopCodec(axes=(1, 2), block=(8, 8), keep=(6, 6), precision="int16", target_psnr=42.5, peak=10.0),
+        DctChopCodec(axes=(1,), block=(8,), keep=(8,), precision="int16"),
+    ],
+)
+def test_codec_dict_round_trip(codec):
+    d = codec.to_dict()
+    assert d["name"] == "dctchop" and set(d["configuration"]) == ALL_FIELDS
+    assert DctChopCodec.from_dict(d) == codec
+    assert DctChopCodec.from_dict(json.loads(json.dumps(d))) == codec
+
+
+def _config(**extra):
+    config = {"axes": [1, 2], "block": [8, 8], "keep": [4, 4]}
+    config.update(extra)
+    return {"name": "dctchop", "configuration": config}
+
+
+def test_codec_from_dict_defaults_and_errors():
+    codec = DctChopCodec.from_dict(_config())
+    assert codec.mask == "square" and codec.precision == "float32" and codec.step is None
+    with pytest.raises(DctchopError, match="unknown"):
+        DctChopCodec.from_dict(_config(colour="red"))
+    with pytest.raises(DctchopError) as info:
+        DctChopCodec.from_dict(_config(format_version=99))
+    assert "99" in str(info.value) and str(FORMAT_VERSION) in str(info.value)
+    for bad in (_config(mask="circle"), _config(precision="int4"), _config(axes=[]), _config(keep=["4", 4]),
+                _config(precision="int8", step=-1.0)):
+        with pytest.raises(DctchopError):
+            DctChopCodec.from_dict(bad)
+
+
+def test_codec_scalar_block_raises_dctchop_error():
+    with pytest.raises(DctchopError):
+        DctChopCodec.from_dict(_config(block=8))
+
+
+def test_zarr_rejects_invalid_codec_for_chunk_shape(tmp_path):
+    with pytest.raises(DctchopError):
+        _create(tmp_path / "s.zarr", DctChopCodec(axes=(1, 2), block=(8, 8), keep=(4, 4)), (4, 8, 8), (2, 8, 8),
+                "int32")
+
+
+def test_fresh_process_reads_store_through_entry_point(tmp_path):
+    x = smooth_uint8_stack(n=3, h=20, w=24)
+    codec = DctChopCodec(axes=(1, 2), block=(8, 8), keep=(6, 6), precision="int16", target_psnr=40.0)
+    _create(tmp_path / "s.zarr", codec, x.shape, (1, 20, 24), "uint8")[...] = x
+    expected = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["data"][...]
+    assert measured_psnr(x, expected, 255.0) >= 40.0 - 0.05
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import zarr
+        assert "dctchop" not in sys.modules
+        data = zarr.open(sys.argv[1])["data"][...]
+        np.save(sys.argv[2], data)
+        print("dctchop.codec" in sys.modules)
+        """
+    )
+    out_file = tmp_path / "out.npy"
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "s.zarr"), str(out_file)],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"  # the codec came in through the zarr.codecs entry point
+    got = np.load(out_file)
+    assert got.dtype == np.uint8
+    np.testing.assert_array_equal(got, expected)

@@ -1,0 +1,475 @@
+"""Blockwise DCT + chop transform against an independent scipy reference (dctchop.transform)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import scipy.fft
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dctchop.errors import DctchopError
+from dctchop.transform import (
+    compress_array,
+    decompress_array,
+    forward,
+    gather,
+    inverse,
+    make_plan,
+    scatter,
+)
+
+DTYPES = ("uint8", "uint16", "int16", "float16", "float32", "float64")
+MASKS = ("square", "triangle")
+HYP = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+# (shape, axes, block, keep): 1-, 2- and 3-axis blocks, odd sizes, partial edge blocks, non-8 and
+# per-axis block sizes, an axis shorter than its block, and the 2..64 extremes.
+CASES = [
+    ((3, 37), (1,), (8,), (3,)),
+    ((2, 28, 28), (1, 2), (8, 8), (4, 4)),
+    ((2, 13, 21), (1, 2), (5, 7), (2, 7)),
+    ((2, 19, 10, 3), (1, 2), (6, 4), (3, 1)),
+    ((9, 10, 11), (0, 1, 2), (4, 3, 5), (2, 3, 4)),
+    ((2, 7, 9, 6), (1, 2, 3), (2, 4, 3), (1, 3, 2)),
+    ((2, 70, 65), (1, 2), (64, 33), (17, 33)),
+    ((100,), (0,), (64,), (31,)),
+    ((3, 5), (1,), (16,), (10,)),
+    ((11, 2, 9), (0, 2), (3, 2), (2, 1)),
+]
+CASE_IDS = ["x".join(map(str, c[0])) + "-ax" + "".join(map(str, c[1])) for c in CASES]
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def ref_blocks(shape, axes, block, keep):
+    """Per transformed axis: list of (sample start, width, first coefficient row, kept count)."""
+    per_axis = []
+    for a, b, k in zip(axes, block, keep):
+        blocks, row = [], 0
+        for s in range(0, shape[a], b):
+            w = min(b, shape[a] - s)
+            kk = k if w == b else _ceil_div(w * k, b)
+            blocks.append((s, w, row, kk))
+            row += kk
+        per_axis.append(blocks)
+    return per_axis
+
+
+def in_mask(band, keeps, mask) -> bool:
+    if any(i >= k for i, k in zip(band, keeps)):
+        return False
+    if mask == "square":
+        return True
+    return sum(Fraction(i, k) for i, k in zip(band, keeps)) < 1
+
+
+def full_bands(keep, mask):
+    return [b for b in itertools.product(*[range(k) for k in keep]) if in_mask(b, keep, mask)]
+
+
+def _block_slices(ndim, axes, blocks, which):
+    """Sample-space and coefficient-space slices of one block (``which``: index per axis)."""
+    xs, cs = [slice(None)] * ndim, [slice(None)] * ndim
+    for d, a in enumerate(axes):
+        s, w, row, kk = blocks[d][which[d]]
+        xs[a] = slice(s, s + w)
+        cs[a] = slice(row, row + kk)
+    return tuple(xs), tuple(cs)
+
+
+def reference_forward(x, axes, block, keep, mask):
+    """Loop over blocks: scipy dctn(norm="ortho") of each block, keep the first kk coefficients per axis.
+
+    Returns the square-kept coefficient image (float64), a boolean image of the masked (stored) set, and
+    per coefficient: a tuple of edge flags (which axes sit in an edge block) and the band tuple.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    blocks = ref_blocks(x.shape, axes, block, keep)
+    cshape = list(x.shape)
+    for d, a in enumerate(axes):
+        cshape[a] = sum(b[3] for b in blocks[d])
+    coef = np.zeros(cshape)
+    kept = np.zeros(cshape, dtype=bool)
+    edge = np.zeros((*cshape, len(axes)), dtype=bool)
+    band = np.zeros((*cshape, len(axes)), dtype=np.int64)
+    for which in itertools.product(*[range(len(b)) for b in blocks]):
+        xs, cs = _block_slices(x.ndim, axes, blocks, which)
+        c = scipy.fft.dctn(x[xs], axes=axes, norm="ortho")
+        kks = [blocks[d][which[d]][3] for d in range(len(axes))]
+        trunc = [slice(None)] * x.ndim
+        for d, a in enumerate(axes):
+            trunc[a] = slice(0, kks[d])
+        coef[cs] = c[tuple(trunc)]
+        sub_kept = kept[cs]
+        sub_edge = edge[cs]
+        sub_band = band[cs]
+        for bnd in itertools.product(*[range(k) for k in kks]):
+            sel = [slice(None)] * x.ndim
+            for d, a in enumerate(axes):
+                sel[a] = bnd[d]
+            sel = tuple(sel)
+            sub_kept[sel] = in_mask(bnd, kks, mask)
+            sub_edge[sel] = [blocks[d][which[d]][1] != block[d] for d in range(len(axes))]
+            sub_band[sel] = bnd
+    return coef, kept, edge, band
+
+
+def reference_inverse(coef, shape, axes, block, keep, mask):
+    """Zero-pad each block's (masked) kept coefficients to the block width, then scipy idctn(norm="ortho")."""
+    blocks = ref_blocks(shape, axes, block, keep)
+    out = np.zeros(shape)
+    for which in itertools.product(*[range(len(b)) for b in blocks]):
+        xs, cs = _block_slices(len(shape), axes, blocks, which)
+        kks = [blocks[d][which[d]][3] for d in range(len(axes))]
+        padded_shape = list(out[xs].shape)
+        padded = np.zeros(padded_shape)
+        sub = coef[cs].copy()
+        for bnd in itertools.product(*[range(k) for k in kks]):
+            if not in_mask(bnd, kks, mask):
+                sel = [slice(None)] * len(shape)
+                for d, a in enumerate(axes):
+                    sel[a] = bnd[d]
+                sub[tuple(sel)] = 0.0
+        tgt = [slice(None)] * len(shape)
+        for d, a in enumerate(axes):
+            tgt[a] = slice(0, kks[d])
+        padded[tuple(tgt)] = sub
+        out[xs] = scipy.fft.idctn(padded, axes=axes, norm="ortho")
+    return out
+
+
+def random_data(rng, shape, dtype, scale=100.0):
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, int(info.max) + 1, size=shape, dtype=np.int64).astype(dtype)
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def _tolerance(x, block, dtype):
+    eps = 2.0**-52 if np.dtype(dtype) == np.float64 else 2.0**-23
+    scale = float(np.max(np.abs(x.astype(np.float64)))) if x.size else 1.0
+    return 16 * eps * max(scale, 1.0) * math.sqrt(math.prod(block)) * len(block)
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_forward_matches_scipy_reference(case, mask, dtype):
+    shape, axes, block, keep = case
+    rng = np.random.default_rng(zlib.crc32(repr((shape, mask, dtype)).encode()))
+    x = random_data(rng, shape, dtype)
+    plan = make_plan(shape, axes, block, keep, mask)
+    ref, kept, edge, band = reference_forward(x, axes, block, keep, mask)
+
+    assert plan.coefficient_shape == ref.shape
+    assert list(plan.bands) == full_bands(keep, mask)
+
+    coef = forward(x, plan)
+    assert coef.dtype == (np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+    tol = _tolerance(x, block, dtype)
+    np.testing.assert_allclose(coef.astype(np.float64), ref, rtol=0, atol=tol)
+
+    # gather picks exactly the masked set, in the order plan.order gives
+    index, seg_starts, seg_bands = plan.order
+    assert index.size == plan.n_values == int(kept.sum())
+    assert np.array_equal(np.sort(index), np.flatnonzero(kept))
+    stored = gather(coef, plan)
+    np.testing.assert_allclose(stored.astype(np.float64), ref.reshape(-1)[index], rtol=0, atol=tol)
+    np.testing.assert_array_equal(compress_array(x, plan), stored)
+
+    # band-major order: full blocks first; each kind of edge block contiguous; inside a kind, bands in
+    # plan.bands order; inside one (kind, band) run, C order of the coefficient image.
+    band_index = {b: i for i, b in enumerate(full_bands(keep, mask))}
+    flat_edge = edge.reshape(-1, len(axes))[index]
+    flat_band = band.reshape(-1, len(axes))[index]
+    groups = [tuple(e) for e in flat_edge]
+    bands = np.array([band_index[tuple(b)] for b in flat_band], dtype=np.int64)
+    n_full = sum(1 for g in groups if not any(g))
+    assert all(not any(g) for g in groups[:n_full])
+    seen, runs = set(), []
+    for i, g in enumerate(groups):
+        if i == 0 or g != groups[i - 1]:
+            assert g not in seen, "blocks of one kind must be contiguous in storage"
+            seen.add(g)
+            runs.append(i)
+    runs.append(len(groups))
+    expected_starts = []
+    for r0, r1 in itertools.pairwise(runs):
+        assert np.all(np.diff(bands[r0:r1]) >= 0), "bands must be in plan.bands order within a block kind"
+        for i in range(r0, r1):
+            if i == r0 or bands[i] != bands[i - 1]:
+                expected_starts.append(i)
+            else:
+                assert index[i] > index[i - 1], "C order within a band run"
+    assert list(seg_starts) == expected_starts + [index.size]
+    assert list(seg_bands) == [int(bands[s]) for s in expected_starts]
+
+
+def test_band_zero_of_all_full_blocks_comes_first():
+    x = np.arange(16 * 16, dtype=np.float64).reshape(16, 16)
+    plan = make_plan(x.shape, (0, 1), 4, 2)
+    stored = compress_array(x, plan)
+    ref, *_ = reference_forward(x, (0, 1), (4, 4), (2, 2), "square")
+    # band (0,0) of the 16 blocks, in block C order, then band (0,1), ...
+    np.testing.assert_allclose(stored[:16], ref[0::2, 0::2].reshape(-1), atol=1e-9)
+    np.testing.assert_allclose(stored[16:32], ref[0::2, 1::2].reshape(-1), atol=1e-9)
+    np.testing.assert_allclose(stored[32:48], ref[1::2, 0::2].reshape(-1), atol=1e-9)
+    np.testing.assert_allclose(stored[48:], ref[1::2, 1::2].reshape(-1), atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------- inverse
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_inverse_matches_zero_pad_idctn(case, mask):
+    shape, axes, block, keep = case
+    rng = np.random.default_rng(len(shape) * 1000 + sum(shape))
+    plan = make_plan(shape, axes, block, keep, mask)
+    values = rng.standard_normal(plan.n_values) * 10
+    coef = scatter(values, plan, np.float64)
+    ref = reference_inverse(coef, shape, axes, block, keep, mask)
+
+    got64 = inverse(coef, plan, np.float64)
+    assert got64.dtype == np.float64 and got64.shape == shape
+    np.testing.assert_allclose(got64, ref, rtol=0, atol=1e-10 * max(1.0, np.abs(ref).max()))
+    np.testing.assert_allclose(decompress_array(values, plan, np.float64), ref, rtol=0, atol=1e-10 * 100)
+
+    got32 = inverse(coef, plan, np.float32)
+    assert got32.dtype == np.float32
+    np.testing.assert_allclose(got32, ref, rtol=0, atol=_tolerance(ref, block, np.float32) * 4)
+
+
+# ---------------------------------------------------------------------------------------------- lossless
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_keep_equal_block_is_lossless(case, dtype):
+    shape, axes, block, _ = case
+    rng = np.random.default_rng(7)
+    x = random_data(rng, shape, dtype)
+    plan = make_plan(shape, axes, block, block, "square")
+    assert plan.n_values == x.size
+    y = decompress_array(compress_array(x, plan), plan, x.dtype)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    if np.dtype(dtype).kind in "iu":
+        np.testing.assert_array_equal(y, x)
+    else:
+        # float32 rounding of the transform (float16 output then rounds to its own half ulp)
+        rtol = 2.0**-11 if dtype == "float16" else 0
+        np.testing.assert_allclose(y.astype(np.float64), x.astype(np.float64), rtol=rtol,
+                                   atol=_tolerance(x, block, dtype) * 4)
+
+
+# ---------------------------------------------------------------------------------------------- ratio
+
+
+def test_ratio_28x28_block8_keep4():
+    plan = make_plan((28, 28), (0, 1), 8, 4)
+    assert plan.n_values == 784 // 4 == 196
+    assert plan.coefficient_shape == (14, 14)
+    x = np.random.default_rng(0).integers(0, 256, (28, 28)).astype(np.uint8)
+    assert compress_array(x, plan).size == 196
+    stack = make_plan((5, 28, 28), (1, 2), 8, 4)
+    assert stack.n_values == 5 * 196
+
+
+@HYP
+@given(
+    shape=st.lists(st.integers(1, 150), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_n_values_is_product_of_ceil(shape, data):
+    axes = tuple(range(len(shape)))
+    block = [data.draw(st.integers(2, 64)) for _ in axes]
+    keep = [data.draw(st.integers(1, b)) for b in block]
+    plan = make_plan(tuple(shape), axes, block, keep, "square")
+    expected = math.prod(_ceil_div(L * k, b) for L, b, k in zip(shape, block, keep))
+    assert plan.n_values == expected
+    assert math.prod(plan.coefficient_shape) == expected
+
+
+# ---------------------------------------------------------------------------------------------- output dtype
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16"])
+def test_decode_rounds_and_clips_integers(dtype):
+    info = np.iinfo(dtype)
+    # hard edges at both ends of the range: the chopped reconstruction overshoots (Gibbs) past the range
+    x = np.full((4, 24, 24), info.min, dtype=dtype)
+    x[:, :, 4:12] = info.max
+    x[:, 16:20, :] = info.max
+    plan = make_plan(x.shape, (1, 2), 8, 3)
+    values = compress_array(x, plan)
+    y = decompress_array(values, plan, dtype)
+    assert y.dtype == np.dtype(dtype) and y.shape == x.shape
+    real = decompress_array(values, plan, np.float32)  # same kernels, no rounding
+    assert real.max() > info.max and real.min() < info.min  # the test really exercises clipping
+    expected = np.clip(np.floor(real.astype(np.float64) + 0.5), info.min, info.max).astype(dtype)
+    np.testing.assert_array_equal(y, expected)
+    assert y.max() == info.max and y.min() == info.min
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_decode_returns_float_dtype(dtype):
+    x = np.random.default_rng(3).standard_normal((3, 10, 12)).astype(dtype)
+    plan = make_plan(x.shape, (1, 2), (4, 5), (2, 3), "triangle")
+    y = decompress_array(compress_array(x, plan), plan, x.dtype)
+    assert y.dtype == np.dtype(dtype) and y.shape == x.shape
+    setting = ((1, 2), (4, 5), (2, 3), "triangle")
+    ref = reference_inverse(reference_forward(x, *setting)[0], x.shape, *setting)
+    tol = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}[dtype] * max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(y.astype(np.float64), ref, rtol=0, atol=tol)
+
+
+# ---------------------------------------------------------------------------------------------- properties
+
+
+@st.composite
+def transform_settings(draw):
+    ndim = draw(st.integers(1, 4))
+    shape = tuple(draw(st.lists(st.integers(1, 23), min_size=ndim, max_size=ndim)))
+    if math.prod(shape) > 3000:
+        shape = tuple(min(s, 6) for s in shape)
+    n_axes = draw(st.integers(1, min(3, ndim)))
+    axes = draw(st.lists(st.integers(0, ndim - 1), min_size=n_axes, max_size=n_axes, unique=True))
+    axes = tuple(sorted(axes))
+    block = tuple(draw(st.one_of(st.integers(2, 12), st.integers(13, 64))) for _ in axes)
+    keep = tuple(draw(st.integers(1, b)) for b in block)
+    mask = draw(st.sampled_from(MASKS))
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return shape, axes, block, keep, mask, dtype, seed
+
+
+def _hyp_data(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    if dtype == "float16":
+        return (rng.standard_normal(shape) * 300).astype(np.float16)
+    return random_data(rng, shape, dtype, scale=50.0)
+
+
+@HYP
+@given(transform_settings())
+def test_round_trip_properties(params):
+    shape, axes, block, keep, mask, dtype, seed = params
+    x = _hyp_data(shape, dtype, seed)
+    plan = make_plan(shape, axes, block, keep, mask)
+    values = compress_array(x, plan)
+    assert values.shape == (plan.n_values,)
+    y = decompress_array(values, plan, x.dtype)
+    assert y.shape == x.shape and y.dtype == x.dtype
+
+    x64 = x.astype(np.float64)
+    energy = float(np.sum(x64**2))
+    dropped = energy - float(np.sum(values.astype(np.float64) ** 2))
+    err = float(np.sum((x64 - y.astype(np.float64)) ** 2))
+    if dtype == "float64":
+        # Parseval: the error is exactly the energy of the dropped coefficients
+        assert err == pytest.approx(dropped, rel=1e-9, abs=1e-9 * energy + 1e-12)
+    else:
+        slack = 1e-5 * energy + 1e-6
+        bound = math.sqrt(max(dropped, 0.0) + slack)
+        if dtype == "float16":
+            bound += 2.0**-11 * math.sqrt(float(np.sum(y.astype(np.float64) ** 2)))
+        elif np.dtype(dtype).kind in "iu":
+            bound += 0.5 * math.sqrt(x.size)
+        assert math.sqrt(err) <= bound
+    if keep == block and mask == "square" and dtype == "float64":
+        np.testing.assert_allclose(y, x, atol=1e-9 * max(1.0, np.abs(x64).max()))
+
+
+@HYP
+@given(transform_settings())
+def test_forward_reference_property(params):
+    shape, axes, block, keep, mask, dtype, seed = params
+    x = _hyp_data(shape, dtype, seed)
+    plan = make_plan(shape, axes, block, keep, mask)
+    ref, kept, _, _ = reference_forward(x, axes, block, keep, mask)
+    coef = forward(x, plan)
+    np.testing.assert_allclose(coef.astype(np.float64), ref, rtol=0, atol=_tolerance(x, block, dtype))
+    assert np.array_equal(np.sort(plan.order[0]), np.flatnonzero(kept))
+
+
+# ---------------------------------------------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize(
+    "shape, axes, block, keep, mask, dtype",
+    [
+        ((4, 128, 128), (1, 2), 8, 5, "triangle", "float32"),  # split over the outer dimension
+        ((256, 256), (0,), 8, 8, "square", "float64"),  # outer extent 1: split over the inner one
+        ((300, 256), (0, 1), (8, 16), (7, 9), "square", "uint16"),
+        ((3, 64, 40, 12), (1, 2, 3), (8, 8, 4), (6, 5, 3), "triangle", "int16"),
+    ],
+)
+def test_threads_give_identical_results(shape, axes, block, keep, mask, dtype):
+    x = random_data(np.random.default_rng(11), shape, dtype)
+    plan = make_plan(shape, axes, block, keep, mask)
+    c1 = forward(x, plan, threads=1)
+    c2 = forward(x, plan, threads=2)
+    np.testing.assert_array_equal(c1, c2)
+    v = gather(c1, plan)
+    np.testing.assert_array_equal(decompress_array(v, plan, x.dtype, threads=1),
+                                  decompress_array(v, plan, x.dtype, threads=2))
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "shape, axes, block, keep, mask",
+    [
+        ((8, 8), (0, 1), 1, 1, "square"),
+        ((8, 8), (0, 1), 65, 4, "square"),
+        ((8, 8), (0, 1), (8, 1), (4, 1), "square"),
+        ((8, 8), (0, 1), 8, 0, "square"),
+        ((8, 8), (0, 1), 8, 9, "square"),
+        ((8, 8), (0, 1), (8, 4), (4, 5), "square"),
+        ((8, 8), (0, 1), 8, 4, "circle"),
+        ((8, 8), (0, 1), 8, 4, "Square"),
+        ((8, 8, 8), (1, 1), 8, 4, "square"),
+        ((8, 8, 8), (0, 3), 8, 4, "square"),
+        ((8, 8, 8), (3,), 8, 4, "square"),
+        ((8, 8, 8), (1, 5), 8, 4, "square"),
+        ((8, 8), (-3,), 8, 4, "square"),
+        ((4, 4, 4, 4), (0, 1, 2, 3), 2, 1, "square"),
+        ((8, 8), (), 8, 4, "square"),
+        ((8, 8, 8), (0, 1), (8, 8, 8), 4, "square"),
+        ((8, 8, 8), (0, 1), 8, (4, 4, 4), "square"),
+    ],
+)
+def test_invalid_settings_raise(shape, axes, block, keep, mask):
+    with pytest.raises(DctchopError):
+        make_plan(shape, axes, block, keep, mask)
+
+
+def test_shape_mismatch_raises():
+    plan = make_plan((8, 8), (0, 1), 4, 2)
+    with pytest.raises(DctchopError):
+        forward(np.zeros((8, 9)), plan)
+    with pytest.raises(DctchopError):
+        inverse(np.zeros((5, 4)), plan, np.float32)
+
+
+def test_block_limits_are_accepted():
+    for b in (2, 64):
+        plan = make_plan((3, 70), (1,), b, b)
+        x = np.random.default_rng(b).standard_normal((3, 70))
+        np.testing.assert_allclose(decompress_array(compress_array(x, plan), plan, x.dtype), x, atol=1e-10)
