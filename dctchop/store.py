@@ -14,8 +14,8 @@ of whole blocks when axis 0 is transformed), so every chunk is written once, who
 PSNR is ``20 log10(peak) - 10 log10(MSE)``, peak = the dtype's range for integer dtypes (255 for uint8) and
 max - min of the original array for floating dtypes.
 
-Every chunk is read back from the store after it is written and compared with the original, so the
-metadata describes what is on disk, not what the encoder intended.
+Every chunk's metadata is measured on a decode of exactly the bytes written for it (before zstd and
+crc32c, which are lossless and checked on read), so it describes what is on disk.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import google_crc32c
 import numcodecs
 import numpy as np
 import zarr
@@ -38,7 +40,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from dctchop import quantize as qz
 from dctchop._version import __version__
-from dctchop.codec import DTYPE_CODES, ChunkSettings, DctChopCodec, encode_chunk, read_header
+from dctchop.codec import DTYPE_CODES, ChunkSettings, DctChopCodec, decode_chunk, encode_chunk, read_header
 from dctchop.errors import DctchopError
 from dctchop.formats import Source, SourceArray
 from dctchop.layout import infer_axes
@@ -201,7 +203,7 @@ def _sample_ranges(plan: ArrayPlan) -> list[tuple[int, int]]:
 def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int) -> float:
     """Quantization step whose compressed size on a sample of chunks gives ``ratio`` (within 1%)."""
     zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
-    sample = [_padded(plan, *r) for r in _sample_ranges(plan)]
+    sample = [_pad_to_chunk(plan.source.read(*r), plan.chunks) for r in _sample_ranges(plan)]
     original = sum(x.nbytes for x in sample) * _real_fraction(plan, _sample_ranges(plan))
 
     def achieved(step: float) -> float:
@@ -230,13 +232,12 @@ def _real_fraction(plan: ArrayPlan, ranges) -> float:
     return sum(e - s for s, e in ranges) / (len(ranges) * plan.chunks[0])
 
 
-def _padded(plan: ArrayPlan, start: int, stop: int) -> np.ndarray:
-    """Samples [start, stop) zero-padded to a whole chunk, as Zarr hands an edge chunk to the codec."""
-    x = plan.source.read(start, stop)
-    if stop - start == plan.chunks[0]:
+def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...]) -> np.ndarray:
+    """Samples zero-padded to a whole chunk along axis 0, as Zarr hands an edge chunk to the codec."""
+    if x.shape[0] == chunks[0]:
         return x
-    out = np.zeros(plan.chunks, dtype=x.dtype)
-    out[: stop - start] = x
+    out = np.zeros(chunks, dtype=x.dtype)
+    out[: x.shape[0]] = x
     return out
 
 
@@ -263,10 +264,11 @@ def _chunk_file(root: Path, name: str, index: int, ndim: int) -> Path:
     return root / name / "c" / "/".join([str(index)] + ["0"] * (ndim - 1))
 
 
-def _read_stored_chunk(path: Path) -> bytes:
-    """The dctchop bytes of one stored chunk: strip the crc32c trailer, undo zstd."""
-    raw = path.read_bytes()
-    return numcodecs.Zstd().decode(raw[:-4])
+def _stored_bytes(data: bytes) -> bytes:
+    """What the store's zstd -> crc32c codecs make of the dctchop codec's output: the same bytes Zarr writes
+    (zstd frame, then the little-endian crc32c of it), so plain ``zarr.open`` reads the chunk back."""
+    compressed = numcodecs.Zstd(level=ZSTD_LEVEL).encode(data)
+    return compressed + struct.pack("<I", google_crc32c.value(compressed))
 
 
 def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, float, float]:
@@ -277,29 +279,33 @@ def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, fl
 
 def _write_lossy(group: zarr.Group, root: Path, plan: ArrayPlan, workers: int,
                  progress: Callable[[int], None]) -> dict:
+    """Encode each chunk once, measure it from an in-memory decode of exactly those bytes, and write the
+    chunk file whole (the array's metadata comes from Zarr, the chunk files from here)."""
     src = plan.source
-    arr = group.create_array(plan.name, shape=src.shape, chunks=plan.chunks, dtype=src.dtype,
-                             serializer=plan.codec, compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()],
-                             fill_value=0, attributes=src.attrs)
+    group.create_array(plan.name, shape=src.shape, chunks=plan.chunks, dtype=src.dtype, serializer=plan.codec,
+                       compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0,
+                       attributes=src.attrs)
     ranges = _chunk_ranges(src.shape[0], plan.chunks[0])
     meta = {k: np.zeros(len(ranges), dtype=v) for k, v in META_FIELDS.items()}
-    sse = 0.0
 
     def encode(i: int, start: int, stop: int) -> float:
         x = src.read(start, stop)
-        arr[start:stop] = x
-        y = arr[start:stop]
+        chunk = _pad_to_chunk(x, plan.chunks)
+        data = encode_chunk(chunk, plan.settings)
+        y = decode_chunk(data, chunk.shape, chunk.dtype)[: stop - start]
         psnr, max_err, rmse = _chunk_metrics(x, y, plan.peak)
+        steps = read_header(data).steps
+        stored = _stored_bytes(data)
         path = _chunk_file(root, plan.name, i, len(src.shape))
-        header = read_header(_read_stored_chunk(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(stored)
         meta["psnr"][i], meta["max_abs_error"][i], meta["rmse"][i] = psnr, max_err, rmse
-        meta["stored_bytes"][i] = path.stat().st_size
-        meta["step"][i] = float(np.min(header.steps)) if header.steps is not None else math.nan
+        meta["stored_bytes"][i] = len(stored)
+        meta["step"][i] = float(np.min(steps)) if steps is not None else math.nan
         progress(x.nbytes)
         return rmse * rmse * x.size
 
-    for done in _bounded_map(encode, [(i, s, e) for i, (s, e) in enumerate(ranges)], workers):
-        sse += done
+    sse = sum(_bounded_map(encode, [(i, s, e) for i, (s, e) in enumerate(ranges)], workers))
     _write_meta(group, plan, meta)
     return {"sse": sse, "meta": meta}
 

@@ -1,0 +1,85 @@
+"""Library-level tests of the store writer: chunk files, metadata, streaming, atomic publish."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from dctchop.errors import DctchopError
+from dctchop.formats import open_source
+from dctchop.store import ZSTD_LEVEL, CompressOptions, Target, compress
+
+
+def smooth_images(n=37, h=20, w=28, c=3, seed=0):
+    rng = np.random.default_rng(seed)
+    y, x = np.meshgrid(np.linspace(0, 3, h), np.linspace(0, 3, w), indexing="ij")
+    base = np.sin(x[None, :, :, None] + rng.uniform(0, 6, (n, 1, 1, c))) * np.cos(y[None, :, :, None])
+    return ((base * 100 + 128) + rng.normal(size=(n, h, w, c)) * 2).clip(0, 255).astype(np.uint8)
+
+
+@pytest.fixture
+def h5_images(tmp_path):
+    path = tmp_path / "in.h5"
+    with h5py.File(path, "w") as f:
+        f["images"] = smooth_images()
+        f["labels"] = np.arange(37) % 5
+    return path
+
+
+@pytest.mark.parametrize("target", [Target("psnr", 38.0), Target("keep", (4, 4)), Target("ratio", 6.0)])
+def test_chunk_files_are_what_zarr_writes(tmp_path, h5_images, target):
+    """The writer encodes chunks itself; the files must equal Zarr's own pipeline output byte for byte."""
+    out = tmp_path / "out.zarr"
+    compress(open_source(str(h5_images)), out, CompressOptions(target=target, chunk_samples=10, workers=2))
+    ours = zarr.open_group(str(out), mode="r")["images"]
+    x = h5py.File(h5_images)["images"][:]
+    ref = zarr.open_group(str(tmp_path / "ref.zarr"), mode="w").create_array(
+        "images", shape=x.shape, chunks=ours.chunks, dtype=x.dtype, serializer=ours.metadata.codecs[0],
+        compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0)
+    ref[:] = x
+    for i in range(4):
+        key = f"images/c/{i}/0/0/0"
+        assert (out / key).read_bytes() == (tmp_path / "ref.zarr" / key).read_bytes(), key
+    np.testing.assert_array_equal(ours[:], ref[:])
+
+
+def test_metadata_matches_a_zarr_decode(tmp_path, h5_images):
+    out = tmp_path / "out.zarr"
+    summary = compress(open_source(str(h5_images)), out, CompressOptions(target=Target("psnr", 35.0),
+                                                                         chunk_samples=8))
+    group = zarr.open_group(str(out), mode="r")
+    x = h5py.File(h5_images)["images"][:]
+    y = group["images"][:]
+    psnr = group["dctchop_meta/images/psnr"][:].reshape(-1)
+    assert group["dctchop_meta/images/psnr"].shape == (5, 1, 1, 1)
+    for i, s in enumerate(range(0, 37, 8)):
+        mse = np.mean((y[s : s + 8].astype(float) - x[s : s + 8]) ** 2)
+        assert psnr[i] == pytest.approx(10 * np.log10(255**2 / mse), rel=1e-9)
+        assert psnr[i] >= 35.0 - 0.01
+    assert summary["arrays"]["images"]["psnr_min"] == pytest.approx(psnr.min())
+    attrs = group.attrs["dctchop"]
+    assert attrs["arrays"]["images"]["axes"] == [1, 2] and attrs["lossless"] == ["labels"]
+    json.dumps(attrs)
+
+
+def test_failed_compress_leaves_nothing(tmp_path, h5_images):
+    out = tmp_path / "out.zarr"
+    with pytest.raises(DctchopError):
+        compress(open_source(str(h5_images)), out, CompressOptions(target=Target("ratio", 1e9)))
+    assert list(tmp_path.iterdir()) == [h5_images]
+
+
+def test_existing_output_replaced_only_when_asked(tmp_path, h5_images):
+    out = tmp_path / "out.zarr"
+    compress(open_source(str(h5_images)), out, CompressOptions(target=Target("keep", (2, 2))))
+    with pytest.raises(DctchopError, match="exists"):
+        compress(open_source(str(h5_images)), out)
+    with pytest.raises(DctchopError):
+        compress(open_source(str(h5_images)), out, CompressOptions(target=Target("ratio", 1e9)), overwrite=True)
+    assert zarr.open_group(str(out), mode="r").attrs["dctchop"]["arrays"]["images"]["target"]["kind"] == "keep"
+    compress(open_source(str(h5_images)), out, overwrite=True)
+    assert zarr.open_group(str(out), mode="r").attrs["dctchop"]["arrays"]["images"]["target"]["kind"] == "psnr"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.h5", "out.zarr"]
