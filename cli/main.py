@@ -162,12 +162,15 @@ def inspect(store, as_json, show_chunks, verify_source):
     from dctchop.store import json_safe
 
     report = inspect_store(store, chunks=show_chunks)
-    if verify_source:
+    if verify_source and not any(a["damaged_chunks"] for a in report["arrays"].values()):
         report["verify"] = verify_store(store, verify_source)
     if as_json:
         click.echo(json.dumps(json_safe(report), indent=2))
     else:
         _print_report(report, show_chunks)
+    damaged = {k: len(a["damaged_chunks"]) for k, a in report["arrays"].items() if a["damaged_chunks"]}
+    if damaged:
+        raise DctchopError(f"damaged chunks: {damaged}")
     if verify_source and any(v["mismatches"] for v in report["verify"].values()):
         bad = {k: len(v["mismatches"]) for k, v in report["verify"].items() if v["mismatches"]}
         raise DctchopError(f"verification failed: {bad} chunk(s) differ from the stored metadata")
@@ -184,6 +187,8 @@ def _print_report(report: dict, show_chunks: bool) -> None:
         click.echo(f"  {_mb(a['original_bytes'])} -> {_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}")
         click.echo(f"  PSNR {_db(a['psnr'])} dB (chunks min {_db(a['psnr_min'])}, mean {_db(a['psnr_mean'])}, "
                    f"max {_db(a['psnr_max'])}), max abs error {a['max_abs_error']:.4g}")
+        for d in a["damaged_chunks"]:
+            click.echo(f"  DAMAGED chunk {d['chunk']}: {d['problem']}")
         if show_chunks:
             t = a["chunk_table"]
             click.echo(f"  {'chunk':>6} {'psnr':>8} {'max_err':>10} {'rmse':>10} {'bytes':>10} {'step':>10}")

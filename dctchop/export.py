@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 
 from dctchop.errors import DctchopError
-from dctchop.inspect import open_store
+from dctchop.inspect import open_store, require_intact
 from dctchop.store import META_GROUP, _chunk_ranges
 
 
@@ -29,6 +29,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     Written to a temporary sibling and renamed when complete, like :func:`dctchop.store.compress`.
     """
     group, info = open_store(store)
+    require_intact(store, info)
     output = Path(output)
     names = list(info["arrays"]) + list(info.get("lossless", []))
     suffix = output.suffix.lower()

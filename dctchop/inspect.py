@@ -10,7 +10,7 @@ import zarr
 
 from dctchop.errors import DctchopError
 from dctchop.formats import open_source
-from dctchop.store import META_FIELDS, META_GROUP, _chunk_metrics, _chunk_ranges, directory_bytes
+from dctchop.store import META_FIELDS, META_GROUP, _chunk_metrics, _chunk_ranges, chunk_problems, directory_bytes
 
 
 def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
@@ -49,6 +49,7 @@ def inspect_store(path: str | Path, chunks: bool = False) -> dict:
             "original_bytes": a["original_bytes"], "stored_bytes": stored, "ratio": a["original_bytes"] / stored,
             "psnr": a["psnr"], "psnr_min": float(table["psnr"].min()), "psnr_mean": float(table["psnr"].mean()),
             "psnr_max": float(table["psnr"].max()), "max_abs_error": float(table["max_abs_error"].max()),
+            "damaged_chunks": chunk_problems(path, name, a["shape"], a["chunks"]),
         }
         if chunks:
             entry["chunk_table"] = {k: v.tolist() for k, v in table.items()}
@@ -67,10 +68,21 @@ def inspect_store(path: str | Path, chunks: bool = False) -> dict:
     }
 
 
+def require_intact(path: str | Path, info: dict) -> None:
+    """Raise naming the array and chunk when any chunk of the store is missing or damaged."""
+    for name, a in info["arrays"].items():
+        problems = chunk_problems(Path(path), name, a["shape"], a["chunks"])
+        if problems:
+            first = problems[0]
+            more = f" (and {len(problems) - 1} more damaged chunk(s))" if len(problems) > 1 else ""
+            raise DctchopError(f"{path}: array {name}, chunk {first['chunk']}: {first['problem']}{more}")
+
+
 def verify_store(path: str | Path, source_path: str | Path) -> dict:
     """Decode every chunk, recompute PSNR and max error against ``source_path`` and compare with the stored
     metadata. Returns per array the number of chunks checked and the mismatches found."""
     group, info = open_store(path)
+    require_intact(path, info)
     source = open_source(str(source_path), datasets=[a["source"] for a in info["arrays"].values()])
     by_name = {a.name: a for a in source.lossy}
     report = {}

@@ -41,7 +41,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from dctchop import quantize as qz
 from dctchop._version import __version__
 from dctchop.codec import DTYPE_CODES, ChunkSettings, DctChopCodec, decode_chunk, encode_chunk, read_header
-from dctchop.errors import DctchopError
+from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.formats import Source, SourceArray
 from dctchop.layout import infer_axes
 from dctchop.transform import make_plan, resolve_threads
@@ -54,6 +54,7 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_PSNR_INTEGER = 40.0
 DEFAULT_PSNR_FLOAT = 60.0
 RATIO_TOLERANCE = 0.05
+PSNR_TOLERANCE_DB = 0.01
 RATIO_SAMPLE_BYTES = 64 << 20
 META_FIELDS = {"psnr": "f8", "max_abs_error": "f8", "rmse": "f8", "stored_bytes": "i8", "step": "f8"}
 
@@ -248,6 +249,28 @@ def _temporary_sibling(output: Path) -> Path:
     return output.with_name(f".{output.name}.dctchop-tmp-{os.getpid()}")
 
 
+def remove_stale_temporaries(output: Path) -> None:
+    """Remove temporaries that a killed run (SIGKILL, power loss) left beside ``output``: those whose
+    process no longer exists. A live process's temporary is never touched."""
+    for tmp in output.parent.glob(f".{output.name}.dctchop-*-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _check_output(source_path: str, output: Path, overwrite: bool) -> None:
     out = output.resolve()
     src = Path(source_path).resolve()
@@ -269,6 +292,37 @@ def _stored_bytes(data: bytes) -> bytes:
     (zstd frame, then the little-endian crc32c of it), so plain ``zarr.open`` reads the chunk back."""
     compressed = numcodecs.Zstd(level=ZSTD_LEVEL).encode(data)
     return compressed + struct.pack("<I", google_crc32c.value(compressed))
+
+
+def unframe(raw: bytes) -> bytes:
+    """Inverse of :func:`_stored_bytes`: check the crc32c trailer, undo zstd; CorruptChunkError if damaged."""
+    if len(raw) < 5:
+        raise CorruptChunkError(f"chunk file is {len(raw)} bytes (truncated)")
+    body, trailer = raw[:-4], raw[-4:]
+    if struct.pack("<I", google_crc32c.value(body)) != trailer:
+        raise CorruptChunkError("crc32c checksum mismatch (the chunk file is corrupted or truncated)")
+    try:
+        return numcodecs.Zstd().decode(body)
+    except RuntimeError as e:
+        raise CorruptChunkError(f"zstd cannot decode the chunk ({e})") from None
+
+
+def chunk_problems(root: Path, name: str, shape, chunks) -> list[dict]:
+    """Every damaged chunk of a stored array: missing file, bad checksum, undecodable header.
+
+    Zarr would silently return the fill value for a missing chunk; a dctchop store always writes every
+    chunk, so a missing one is damage.
+    """
+    problems = []
+    for i in range(-(-shape[0] // chunks[0])):
+        path = _chunk_file(root, name, i, len(shape))
+        try:
+            read_header(unframe(path.read_bytes()))
+        except FileNotFoundError:
+            problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
+        except CorruptChunkError as e:
+            problems.append({"chunk": i, "problem": str(e)})
+    return problems
 
 
 def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, float, float]:
@@ -294,6 +348,10 @@ def _write_lossy(group: zarr.Group, root: Path, plan: ArrayPlan, workers: int,
         data = encode_chunk(chunk, plan.settings)
         y = decode_chunk(data, chunk.shape, chunk.dtype)[: stop - start]
         psnr, max_err, rmse = _chunk_metrics(x, y, plan.peak)
+        target = plan.settings.target_psnr
+        if target is not None and psnr < target - PSNR_TOLERANCE_DB:
+            raise DctchopError(f"{plan.name}: --psnr {target:g} is above what this data allows with "
+                               f"{plan.settings.precision} (chunk {i} reaches {psnr:.2f} dB); ask for less")
         steps = read_header(data).steps
         stored = _stored_bytes(data)
         path = _chunk_file(root, plan.name, i, len(src.shape))
@@ -379,6 +437,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
         raise DctchopError(f"{source.path}: nothing to compress lossily (no numeric array with 2 or more "
                            "dimensions); name one with --dataset")
     workers = resolve_threads(options.workers)
+    remove_stale_temporaries(output)
     tmp = _temporary_sibling(output)
     shutil.rmtree(tmp, ignore_errors=True)
     started = time.perf_counter()
@@ -408,6 +467,10 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, output)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = f" ({e.filename})" if e.filename else ""
+        raise DctchopError(f"compress failed: {e.strerror or e}{where}; {output} was not written") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

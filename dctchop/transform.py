@@ -471,6 +471,8 @@ def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int =
         _run_split(kernel, cur.reshape(n_outer, kept, n_inner), out.reshape(n_outer, p.length, n_inner), args,
                    threads)
         cur = out
+    if dtype == np.float16:  # ringing near the float16 limit must not overflow to inf
+        np.clip(cur, -65504.0, 65504.0, out=cur)
     return cur.astype(dtype, copy=False)
 
 
