@@ -10,7 +10,14 @@ import zarr
 
 from dctchop.errors import DctchopError
 from dctchop.formats import open_source
-from dctchop.store import META_FIELDS, META_GROUP, _chunk_metrics, _chunk_ranges, chunk_problems, directory_bytes
+from dctchop.store import (
+    META_FIELDS,
+    META_GROUP,
+    _chunk_metrics,
+    _chunk_ranges,
+    chunk_problems,
+    directory_bytes,
+)
 
 
 def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
