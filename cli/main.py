@@ -96,12 +96,15 @@ def cli(ctx: click.Context, debug: bool) -> None:
               help="Coefficient storage. Default: float16 with --keep, int16 with --ratio/--psnr.")
 @click.option("--chunk-samples", type=int, help="Samples per chunk (default: about 4 MB of input).")
 @click.option("--workers", type=int, default=0, show_default=True, help="Encoding threads (0: one per core).")
+@click.option("--scheduler", metavar="threads|processes|ADDRESS",
+              help="Encode chunks as Dask tasks: local threads or processes, or a dask.distributed scheduler "
+                   "address such as tcp://host:8786 (needs the dask extra; input and output on a shared filesystem).")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new store is done).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when a TTY).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors (and --json output).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def compress(input_path, output, datasets, lossless, follow_external, axes, keep, ratio, psnr, block, mask,
-             precision, chunk_samples, workers, overwrite, progress, quiet, as_json):
+             precision, chunk_samples, workers, scheduler, overwrite, progress, quiet, as_json):
     """Compress INPUT (.npy or .h5/.hdf5) into the Zarr store OUTPUT.
 
     Quality target, at most one of --keep, --ratio, --psnr; with none, --psnr 40 for integer data and
@@ -125,15 +128,12 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
         array_axes = parse_axes(axes, len(array.shape)) if axes else None
         options = CompressOptions(target=target, axes=array_axes, block=_int_list(block, "--block"), mask=mask,
                                   precision=precision, chunk_samples=chunk_samples, workers=workers)
-        plan = plan_array(source, array, options)
-        plans.append(plan)
-        if not quiet:
-            click.echo(f"{plan.name}: {list(array.shape)} {array.dtype}, layout {plan.layout}, transforming axes "
-                       f"{list(plan.axes)}, chunks of {plan.chunks[0]}", err=True)
+        plans.append(plan_array(source, array, options))
     total = sum(a.dtype.itemsize * math.prod(a.shape) for a in (*source.lossy, *source.lossless))
     bar = _Progress(total, enabled=not quiet and (progress if progress is not None else sys.stderr.isatty()))
     try:
-        summary = compress_store(source, output, CompressOptions(workers=workers), overwrite=overwrite,
+        summary = compress_store(source, output, CompressOptions(workers=workers, scheduler=scheduler),
+                                 overwrite=overwrite,
                                  progress=bar, plans=plans)
     finally:
         bar.close()
@@ -143,7 +143,9 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
         click.echo(json.dumps(json_safe(summary), indent=2))
     elif not quiet:
         for name, a in summary["arrays"].items():
-            click.echo(f"{name}: {_mb(a['original_bytes'])} -> {_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}, "
+            click.echo(f"{name}: {a['shape']} {a['dtype']}, layout {a['layout']}, transformed axes {a['axes']}, "
+                       f"chunks of {a['chunks'][0]}")
+            click.echo(f"  {_mb(a['original_bytes'])} -> {_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}, "
                        f"PSNR {_db(a['psnr'])} dB (chunks min {_db(a['psnr_min'])}, mean {_db(a['psnr_mean'])}), "
                        f"max abs error {a['max_abs_error']:.4g}")
         t = summary["totals"]

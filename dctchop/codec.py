@@ -54,6 +54,8 @@ FORMAT_VERSION = 1
 DTYPE_CODES = {np.dtype(t): i for i, t in enumerate(("uint8", "uint16", "int16", "float16", "float32", "float64"))}
 PRECISION_CODES = {p: i for i, p in enumerate(qz.PRECISIONS)}
 MAX_NDIM = 32
+PSNR_RETRIES = 8
+PSNR_RETRY_FACTOR = 0.97
 _FIXED = struct.Struct("<4sBBBBBBH")
 
 
@@ -102,18 +104,30 @@ def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> by
     weights = None if settings.weights is None else np.asarray(settings.weights, dtype=np.float64)
     if weights is not None and weights.size != len(plan.bands):
         raise DctchopError(f"weights need one value per band ({len(plan.bands)}), got {weights.size}")
+    step = settings.step
     if settings.target_psnr is not None:
-        step = _step_for_psnr(x, values, maxabs, plan, settings, weights)
-    else:
-        step = settings.step
+        step, target_sse = _step_for_psnr(x, values, maxabs, plan, settings, weights)
     steps = qz.choose_steps(maxabs, settings.precision, step, weights)
     stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
+    if settings.target_psnr is not None:
+        # The error model is exact in coefficient space; rounding and clipping integer outputs make the real
+        # error differ slightly. Check the reconstruction itself and tighten the step until the target holds.
+        rows = _counted_rows(x, plan.axes)
+        finest = qz.choose_steps(maxabs, settings.precision)
+        for _ in range(PSNR_RETRIES):
+            y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
+            if _sse(x[rows], y[rows]) <= target_sse or np.all(steps <= finest):
+                break
+            step *= PSNR_RETRY_FACTOR
+            steps = qz.choose_steps(maxabs, settings.precision, step, weights)
+            stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
     unit = settings.precision in ("float32", "bfloat16")
     return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size) + stored.tobytes()
 
 
-def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) -> float:
-    """Largest base step whose exact error meets the chunk's PSNR target (bisection in log space).
+def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) -> tuple[float, float]:
+    """(step, target SSE): the largest base step whose modelled error meets the chunk's PSNR target
+    (bisection in log space), and the squared-error budget the reconstruction must stay within.
 
     When the mask alone already misses the target, the finest step the precision allows is returned and
     the chunk falls short; the store records the PSNR actually reached.
@@ -122,9 +136,10 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) ->
     if peak is None:
         finite = x.astype(np.float64)
         peak = float(finite.max() - finite.min()) if x.size else 0.0
-    n = _counted_values(x, plan.axes)
+    n = int(np.count_nonzero(_counted_rows(x, plan.axes))) * (x.size // max(x.shape[0], 1))
     integer = x.dtype.kind in "iu"
-    target_sse = n * (peak**2 / 10 ** (settings.target_psnr / 10) - (1 / 12 if integer else 0.0))
+    target_sse = n * peak**2 / 10 ** (settings.target_psnr / 10)
+    model_sse = target_sse - (n / 12 if integer else 0.0)  # leave room for rounding to integers
     _, seg_starts, seg_bands = plan.order
     dropped = max(float(np.sum(x.astype(np.float64) ** 2) - np.sum(values.astype(np.float64) ** 2)), 0.0)
 
@@ -136,31 +151,44 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) ->
     limits = maxabs / qz.QMAX[settings.precision] / (1.0 if weights is None else weights)
     finest = max(float(np.min(limits[maxabs > 0])), 1e-30) if np.any(maxabs > 0) else 1e-30
     coarsest = max(float(np.max(maxabs)) * 4, finest)
-    if sse(coarsest) <= target_sse:
-        return coarsest
-    if sse(finest) > target_sse:
-        return finest
+    if sse(coarsest) <= model_sse:
+        return coarsest, target_sse
+    if sse(finest) > model_sse:
+        return finest, target_sse
     # high-rate guess (error step**2 / 12 per stored value), then a bracket around it and bisection to 1%
-    guess = math.sqrt(12 * max(target_sse - dropped, 0.0) / max(values.size, 1))
+    guess = math.sqrt(12 * max(model_sse - dropped, 0.0) / max(values.size, 1))
     lo, hi = min(max(guess / 2, finest), coarsest), min(max(guess * 2, finest), coarsest)
-    while lo > finest and sse(lo) > target_sse:
+    while lo > finest and sse(lo) > model_sse:
         lo, hi = max(lo / 4, finest), lo
-    while hi < coarsest and sse(hi) <= target_sse:
+    while hi < coarsest and sse(hi) <= model_sse:
         lo, hi = hi, min(hi * 4, coarsest)
     while hi / lo > 1.01:
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if sse(mid) <= target_sse else (lo, mid)
-    return lo
+        lo, hi = (mid, hi) if sse(mid) <= model_sse else (lo, mid)
+    return lo, target_sse
 
 
-def _counted_values(x: np.ndarray, axes: tuple[int, ...]) -> int:
-    """Values a chunk's PSNR target is measured over. Zarr pads edge chunks with zeros; an all-zero sample
-    along an untransformed axis 0 decodes exactly, so leaving such samples out is conservative and keeps
-    the target true for the real samples of a partial chunk."""
+def _counted_rows(x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """Samples (along axis 0) a chunk's PSNR target is measured over. Zarr pads edge chunks with zeros; an
+    all-zero sample along an untransformed axis 0 decodes exactly, so leaving such samples out is
+    conservative and keeps the target true for the real samples of a partial chunk."""
     if 0 in axes or x.shape[0] == 0:
-        return x.size
-    occupied = int(np.count_nonzero(np.any(x.reshape(x.shape[0], -1) != 0, axis=1)))
-    return max(occupied, 1) * (x.size // x.shape[0])
+        return np.ones(x.shape[0], dtype=bool)
+    rows = np.any(x.reshape(x.shape[0], -1) != 0, axis=1)
+    return rows if rows.any() else np.ones(x.shape[0], dtype=bool)
+
+
+def _sse(x: np.ndarray, y: np.ndarray) -> float:
+    d = y.astype(np.float64) - x.astype(np.float64)
+    return float(np.sum(d * d))
+
+
+def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int) -> np.ndarray:
+    """Stored values -> data: dequantize into the coefficient image, inverse transform."""
+    _, seg_starts, seg_bands = plan.order
+    coefficients = np.zeros(plan.coefficient_shape, dtype=work_dtype(dtype))
+    qz.dequantize_into(stored, steps, seg_starts, seg_bands, precision, plan.order[0], coefficients.reshape(-1))
+    return inverse(coefficients, plan, dtype, threads)
 
 
 def _header(shape, dtype, settings: ChunkSettings, steps, n_values: int) -> bytes:
@@ -281,10 +309,7 @@ def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, thread
     stored = np.frombuffer(payload, dtype=storage)
     if stored.dtype.kind == "f" and not np.all(np.isfinite(stored)):
         raise CorruptChunkError("chunk holds non-finite coefficients")
-    coefficients = np.zeros(plan.coefficient_shape, dtype=work_dtype(header.dtype))
-    qz.dequantize_into(stored, steps, seg_starts, seg_bands, header.precision, plan.order[0],
-                       coefficients.reshape(-1))
-    return inverse(coefficients, plan, header.dtype, threads)
+    return _reconstruct(stored, steps, plan, header.precision, header.dtype, threads)
 
 
 # ---------------------------------------------------------------------------------------------- zarr codec

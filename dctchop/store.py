@@ -36,7 +36,7 @@ import google_crc32c
 import numcodecs
 import numpy as np
 import zarr
-from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
 from dctchop import quantize as qz
 from dctchop._version import __version__
@@ -87,6 +87,7 @@ class CompressOptions:
     precision: str | None = None
     chunk_samples: int | None = None
     workers: int = 0
+    scheduler: str | None = None
 
 
 @dataclass
@@ -331,40 +332,72 @@ def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, fl
     return qz.psnr(mse, peak), float(np.max(np.abs(diff))) if diff.size else 0.0, math.sqrt(mse)
 
 
-def _write_lossy(group: zarr.Group, root: Path, plan: ArrayPlan, workers: int,
-                 progress: Callable[[int], None]) -> dict:
-    """Encode each chunk once, measure it from an in-memory decode of exactly those bytes, and write the
-    chunk file whole (the array's metadata comes from Zarr, the chunk files from here)."""
+def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan) -> None:
+    """The data array (its chunks are written by :func:`encode_chunk_task`) and the metadata arrays, one
+    element per data chunk stored as plain little-endian bytes, so each task writes its own elements."""
     src = plan.source
     group.create_array(plan.name, shape=src.shape, chunks=plan.chunks, dtype=src.dtype, serializer=plan.codec,
                        compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0,
                        attributes=src.attrs)
-    ranges = _chunk_ranges(src.shape[0], plan.chunks[0])
+    grid = tuple(-(-s // c) for s, c in zip(src.shape, plan.chunks))
+    meta_group = group.require_group(META_GROUP).require_group(plan.name)
+    for key, dtype in META_FIELDS.items():
+        meta_group.create_array(key, shape=grid, chunks=(1,) * len(grid), dtype=dtype, compressors=None,
+                                serializer=BytesCodec(endian="little"), fill_value=0)
+
+
+def encode_chunk_task(plan: ArrayPlan, root: str, i: int, start: int, stop: int) -> dict:
+    """Encode chunk ``i`` (samples ``[start, stop)``), write its file and its metadata elements whole, and
+    return the metadata. Module-level and self-contained so it runs as a Dask task in any process.
+
+    The metrics are measured on a decode of exactly the bytes written.
+    """
+    src = plan.source
+    x = src.read(start, stop)
+    chunk = _pad_to_chunk(x, plan.chunks)
+    data = encode_chunk(chunk, plan.settings)
+    y = decode_chunk(data, chunk.shape, chunk.dtype)[: stop - start]
+    psnr, max_err, rmse = _chunk_metrics(x, y, plan.peak)
+    target = plan.settings.target_psnr
+    if target is not None and psnr < target - PSNR_TOLERANCE_DB:
+        raise DctchopError(f"{plan.name}: --psnr {target:g} is above what this data allows with "
+                           f"{plan.settings.precision} (chunk {i} reaches {psnr:.2f} dB); ask for less")
+    steps = read_header(data).steps
+    stored = _stored_bytes(data)
+    ndim = len(src.shape)
+    _write_file(_chunk_file(Path(root), plan.name, i, ndim), stored)
+    meta = {"psnr": psnr, "max_abs_error": max_err, "rmse": rmse, "stored_bytes": len(stored),
+            "step": float(np.min(steps)) if steps is not None else math.nan}
+    for key, value in meta.items():
+        element = np.asarray(value, dtype=np.dtype(META_FIELDS[key]).newbyteorder("<")).tobytes()
+        _write_file(_chunk_file(Path(root) / META_GROUP, f"{plan.name}/{key}", i, ndim), element)
+    return {"chunk": i, "nbytes": x.nbytes, "sse": rmse * rmse * x.size, **meta}
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def _write_lossy(group: zarr.Group, root: Path, plan: ArrayPlan, workers: int, scheduler: str | None,
+                 progress: Callable[[int], None]) -> dict:
+    """Create the arrays, then run one task per chunk on local threads or on Dask."""
+    _create_lossy_arrays(group, plan)
+    ranges = _chunk_ranges(plan.source.shape[0], plan.chunks[0])
+    items = [(plan, str(root), i, s, e) for i, (s, e) in enumerate(ranges)]
     meta = {k: np.zeros(len(ranges), dtype=v) for k, v in META_FIELDS.items()}
+    sse = 0.0
+    if scheduler is None:
+        results = _bounded_map(encode_chunk_task, items, workers)
+    else:
+        from dctchop.dask_runner import run_tasks
 
-    def encode(i: int, start: int, stop: int) -> float:
-        x = src.read(start, stop)
-        chunk = _pad_to_chunk(x, plan.chunks)
-        data = encode_chunk(chunk, plan.settings)
-        y = decode_chunk(data, chunk.shape, chunk.dtype)[: stop - start]
-        psnr, max_err, rmse = _chunk_metrics(x, y, plan.peak)
-        target = plan.settings.target_psnr
-        if target is not None and psnr < target - PSNR_TOLERANCE_DB:
-            raise DctchopError(f"{plan.name}: --psnr {target:g} is above what this data allows with "
-                               f"{plan.settings.precision} (chunk {i} reaches {psnr:.2f} dB); ask for less")
-        steps = read_header(data).steps
-        stored = _stored_bytes(data)
-        path = _chunk_file(root, plan.name, i, len(src.shape))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(stored)
-        meta["psnr"][i], meta["max_abs_error"][i], meta["rmse"][i] = psnr, max_err, rmse
-        meta["stored_bytes"][i] = len(stored)
-        meta["step"][i] = float(np.min(steps)) if steps is not None else math.nan
-        progress(x.nbytes)
-        return rmse * rmse * x.size
-
-    sse = sum(_bounded_map(encode, [(i, s, e) for i, (s, e) in enumerate(ranges)], workers))
-    _write_meta(group, plan, meta)
+        results = run_tasks(encode_chunk_task, items, scheduler)
+    for r in results:
+        for key in META_FIELDS:
+            meta[key][r["chunk"]] = r[key]
+        sse += r["sse"]
+        progress(r["nbytes"])
     return {"sse": sse, "meta": meta}
 
 
@@ -389,15 +422,6 @@ def _bounded_map(fn, items, workers: int) -> Iterator:
             for f in pending:
                 f.cancel()
             raise
-
-
-def _write_meta(group: zarr.Group, plan: ArrayPlan, meta: dict) -> None:
-    grid = tuple(-(-s // c) for s, c in zip(plan.source.shape, plan.chunks))
-    meta_group = group.require_group(META_GROUP).require_group(plan.name)
-    for key, values in meta.items():
-        a = meta_group.create_array(key, shape=grid, chunks=grid, dtype=values.dtype,
-                                    compressors=[ZstdCodec(level=ZSTD_LEVEL)], fill_value=0)
-        a[...] = values.reshape(grid)
 
 
 def _write_lossless(group: zarr.Group, source: Source, array: SourceArray,
@@ -453,7 +477,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
             if plan.target.kind == "ratio":
                 plan.settings = replace(plan.settings, step=search_ratio_step(plan, float(plan.target.value),
                                                                               workers))
-            result = _write_lossy(group, tmp, plan, workers, progress)
+            result = _write_lossy(group, tmp, plan, workers, options.scheduler, progress)
             arrays[plan.name] = _array_summary(plan, result, tmp)
         for array in source.lossless:
             _write_lossless(group, source, array, progress)

@@ -1,0 +1,82 @@
+"""Running chunk tasks on Dask: the local ``threads``/``processes`` schedulers or a ``dask.distributed``
+scheduler at an address such as ``tcp://scheduler-host:8786``.
+
+Each task is :func:`dctchop.store.encode_chunk_task`: it reopens the input by path (h5py objects do not
+pickle), encodes one chunk and writes that chunk's file and metadata elements whole, so tasks never share a
+file. The kernels run single-threaded inside a task and never use numba's parallel threading layer, so tasks
+neither oversubscribe the cores nor hang after ``fork``. Results (small dicts) come back as tasks finish.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+from dctchop.errors import DctchopError
+
+LOCAL_SCHEDULERS = ("threads", "processes")
+
+
+def _require_dask(scheduler: str):
+    try:
+        import dask
+    except ImportError:
+        raise DctchopError(f"--scheduler {scheduler} needs Dask: pip install 'dctchop[dask]'") from None
+    return dask
+
+
+def run_tasks(fn: Callable[..., dict], items: list[tuple], scheduler: str) -> Iterator[dict]:
+    """Yield ``fn(*item)`` for every item as the tasks finish (in completion order)."""
+    dask = _require_dask(scheduler)
+    if scheduler in LOCAL_SCHEDULERS:
+        yield from _run_local(dask, fn, items, scheduler)
+    else:
+        yield from _run_distributed(fn, items, scheduler)
+
+
+def _run_local(dask, fn, items, scheduler) -> Iterator[dict]:
+    """dask.compute in a background thread; each finished task's result is handed over through a queue."""
+    from dask.callbacks import Callback
+
+    finished: queue.Queue = queue.Queue()
+    done = object()
+
+    class Collect(Callback):  # _posttask runs in the scheduling thread as each task ends
+        def _posttask(self, key, result, dsk, state, worker_id):
+            finished.put(result)
+
+    def compute():
+        try:
+            with Collect(), dask.config.set(scheduler=scheduler):
+                dask.compute(*[dask.delayed(fn, pure=False)(*item) for item in items])
+        except BaseException as e:  # noqa: BLE001 - handed to the consuming thread and re-raised there
+            finished.put(e)
+        finished.put(done)
+
+    thread = threading.Thread(target=compute, name="dctchop-dask", daemon=True)
+    thread.start()
+    while (result := finished.get()) is not done:
+        if isinstance(result, BaseException):
+            raise result
+        if isinstance(result, dict):
+            yield result
+    thread.join()
+
+
+def _run_distributed(fn, items, address) -> Iterator[dict]:
+    try:
+        from distributed import Client, as_completed
+    except ImportError:
+        raise DctchopError(f"--scheduler {address} needs dask.distributed: pip install 'dctchop[dask]'") from None
+    try:
+        client = Client(address, timeout="10s", set_as_default=False)
+    except (OSError, TimeoutError, ValueError) as e:
+        raise DctchopError(f"cannot reach the Dask scheduler at {address}: {e}") from None
+    with client:
+        futures = [client.submit(fn, *item, pure=False) for item in items]
+        try:
+            for future in as_completed(futures, loop=client.loop):
+                yield future.result()
+        finally:
+            client.cancel(futures)

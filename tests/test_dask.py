@@ -1,0 +1,79 @@
+"""Compressing through Dask gives the same store as compressing locally."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+
+from dctchop.formats import open_source
+from dctchop.store import CompressOptions, Target, compress
+
+distributed = pytest.importorskip("distributed")
+
+
+def chunk_files(root: Path) -> dict[str, bytes]:
+    """Every chunk file of the store (data and metadata), by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file() and "/c/" in str(p)}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                  dashboard_address=None) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def source_h5(tmp_path):
+    rng = np.random.default_rng(3)
+    y, x = np.meshgrid(np.linspace(0, 4, 24), np.linspace(0, 4, 24), indexing="ij")
+    images = (np.sin(x + rng.uniform(0, 6, (50, 1, 1))) * np.cos(y) * 90 + 128
+              + rng.normal(size=(50, 24, 24)) * 2).clip(0, 255).astype(np.uint8)
+    path = tmp_path / "in.h5"
+    with h5py.File(path, "w") as f:
+        f["images"] = images
+        f["field"] = rng.normal(size=(16, 8, 8, 8)).cumsum(axis=1).astype(np.float32)
+        f["labels"] = np.arange(50)
+    return path
+
+
+@pytest.mark.parametrize("target", [Target("psnr", 42.0), Target("ratio", 5.0)])
+def test_cluster_store_equals_local_store(tmp_path, source_h5, cluster, target):
+    local, remote = tmp_path / "local.zarr", tmp_path / "remote.zarr"
+    options = CompressOptions(target=target, chunk_samples=8)
+    local_summary = compress(open_source(str(source_h5)), local, options)
+    remote_summary = compress(open_source(str(source_h5)), remote,
+                              CompressOptions(target=target, chunk_samples=8, scheduler=cluster.scheduler_address))
+    assert chunk_files(local) == chunk_files(remote)
+    assert len(chunk_files(local)) == 7 * 6 + 2 * 6 + 1  # images, field: a data + 5 metadata files per chunk
+    for name in ("images", "field", "labels"):
+        np.testing.assert_array_equal(zarr.open(str(local), mode="r")[name][:],
+                                      zarr.open(str(remote), mode="r")[name][:])
+    for name, a in local_summary["arrays"].items():
+        b = remote_summary["arrays"][name]
+        for key in ("codec", "axes", "chunks", "target", "stored_bytes", "psnr", "psnr_min", "max_abs_error"):
+            assert a[key] == b[key], (name, key)
+
+
+def test_local_dask_schedulers_equal_threads(tmp_path, source_h5):
+    stores = {}
+    for scheduler in (None, "threads", "processes"):
+        out = tmp_path / f"{scheduler}.zarr"
+        compress(open_source(str(source_h5)), out, CompressOptions(chunk_samples=8, scheduler=scheduler))
+        stores[scheduler] = chunk_files(out)
+    assert stores[None] == stores["threads"] == stores["processes"]
+
+
+def test_without_dask_the_error_names_the_extra(tmp_path, source_h5):
+    code = ("import sys; sys.modules['dask'] = None; sys.modules['distributed'] = None\n"
+            "from dctchop.cli.main import main\n"
+            f"main(['compress', {str(source_h5)!r}, {str(tmp_path / 'o.zarr')!r}, '--scheduler', 'processes'])\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "dctchop[dask]" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o.zarr").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["in.h5"]
