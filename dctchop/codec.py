@@ -290,7 +290,6 @@ def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, thread
         raise CorruptChunkError(f"bad transform settings in chunk header: {e}") from None
     if header.axes != plan.axes:
         raise CorruptChunkError(f"bad axes in chunk header: {list(header.axes)}")
-    _, seg_starts, seg_bands = plan.order
     if header.n_values != plan.n_values:
         raise CorruptChunkError(f"chunk says {header.n_values} values, its settings give {plan.n_values}")
     unit = header.precision in ("float32", "bfloat16")
