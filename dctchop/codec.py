@@ -12,13 +12,14 @@ offset  type        field
 7       u8          mask code (0 square, 1 triangle)
 8       u8          ndim of the chunk (1..32)
 9       u8          number of transformed axes (1..3)
-10      u16         reserved, 0
+10      u16         flags: bit 0 = payload in bit planes (:mod:`dctchop.bitplanes`); other bits 0
 12      u32 x ndim  chunk shape
 ..      u8 x naxes  axes, then block sizes, then keep counts
 ..      u32         number of steps: 0 (all steps are 1) or the number of bands of a full block
 ..      f64 x n     per-band steps, in :attr:`TransformPlan.bands` order
 ..      u64         number of stored values
-..      payload     stored values in the precision's storage dtype
+..      payload     stored values in the precision's storage dtype (flag 0 clear), or their bit
+                    planes (flag 0 set, integer precisions)
 ======  ==========  =========================================================================
 
 Every field is checked before anything is allocated from it; the chunk shape must equal the shape the
@@ -39,6 +40,7 @@ from zarr.abc.codec import ArrayBytesCodec
 from zarr.core.common import parse_named_configuration
 
 from dctchop import quantize as qz
+from dctchop.bitplanes import from_planes, to_planes
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.transform import MASKS, forward, gather, inverse, make_plan, work_dtype
 
@@ -57,6 +59,7 @@ MAX_NDIM = 32
 PSNR_RETRIES = 8
 PSNR_RETRY_FACTOR = 0.97
 _FIXED = struct.Struct("<4sBBBBBBH")
+FLAG_BITPLANES = 1
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,11 @@ def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> by
             steps = qz.choose_steps(maxabs, settings.precision, step, weights)
             stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
     unit = settings.precision in ("float32", "bfloat16")
-    return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size) + stored.tobytes()
+    if settings.precision in qz.INT_PRECISIONS:
+        payload, flags = to_planes(stored, seg_starts), FLAG_BITPLANES
+    else:
+        payload, flags = stored.tobytes(), 0
+    return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size, flags) + payload
 
 
 def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) -> tuple[float, float]:
@@ -191,11 +198,11 @@ def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int) -> np
     return inverse(coefficients, plan, dtype, threads)
 
 
-def _header(shape, dtype, settings: ChunkSettings, steps, n_values: int) -> bytes:
+def _header(shape, dtype, settings: ChunkSettings, steps, n_values: int, flags: int) -> bytes:
     naxes = len(settings.axes)
     parts = [
         _FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[np.dtype(dtype).newbyteorder("=")],
-                    PRECISION_CODES[settings.precision], MASKS.index(settings.mask), len(shape), naxes, 0),
+                    PRECISION_CODES[settings.precision], MASKS.index(settings.mask), len(shape), naxes, flags),
         struct.pack(f"<{len(shape)}I", *shape),
         struct.pack(f"<{3 * naxes}B", *settings.axes, *settings.block, *settings.keep),
         struct.pack("<I", 0 if steps is None else len(steps)),
@@ -223,6 +230,7 @@ class ChunkHeader:
     steps: np.ndarray | None = field(repr=False)
     n_values: int
     payload_offset: int
+    bitplanes: bool
 
 
 def read_header(data: bytes | memoryview) -> ChunkHeader:
@@ -230,7 +238,7 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
     data = memoryview(data).cast("B")
     if len(data) < _FIXED.size:
         raise CorruptChunkError(f"chunk is {len(data)} bytes, shorter than the {_FIXED.size}-byte header")
-    magic, version, dtype_code, prec_code, mask_code, ndim, naxes, reserved = _FIXED.unpack_from(data, 0)
+    magic, version, dtype_code, prec_code, mask_code, ndim, naxes, flags = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise CorruptChunkError(f"not a dctchop chunk (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version != FORMAT_VERSION:
@@ -242,8 +250,10 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
     if dtype_code >= len(dtypes) or prec_code >= len(qz.PRECISIONS) or mask_code >= len(MASKS):
         raise CorruptChunkError(f"bad code in chunk header (dtype {dtype_code}, precision {prec_code}, "
                                 f"mask {mask_code})")
-    if not 1 <= ndim <= MAX_NDIM or not 1 <= naxes <= 3 or reserved:
-        raise CorruptChunkError(f"bad chunk header (ndim {ndim}, axes {naxes}, reserved {reserved})")
+    if not 1 <= ndim <= MAX_NDIM or not 1 <= naxes <= 3 or flags & ~FLAG_BITPLANES:
+        raise CorruptChunkError(f"bad chunk header (ndim {ndim}, axes {naxes}, flags {flags:#x})")
+    if flags & FLAG_BITPLANES and qz.PRECISIONS[prec_code] not in qz.INT_PRECISIONS:
+        raise CorruptChunkError("bit-plane flag on a floating-point chunk")
     pos = _FIXED.size
     need = pos + 4 * ndim + 3 * naxes + 4
     if len(data) < need:
@@ -261,6 +271,7 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
     (n_values,) = struct.unpack_from("<Q", data, pos)
     pos += 8
     return ChunkHeader(
+        bitplanes=bool(flags & FLAG_BITPLANES),
         dtype=dtypes[dtype_code],
         precision=qz.PRECISIONS[prec_code],
         mask=MASKS[mask_code],
@@ -302,6 +313,10 @@ def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, thread
         raise CorruptChunkError("chunk steps are missing, of the wrong count, or not positive and finite")
     storage = qz.STORAGE_DTYPES[header.precision]
     payload = memoryview(data).cast("B")[header.payload_offset :]
+    _, seg_starts, _ = plan.order
+    if header.bitplanes:
+        stored = from_planes(payload, seg_starts, storage)
+        return _reconstruct(stored, steps, plan, header.precision, header.dtype, threads)
     if len(payload) != header.n_values * storage.itemsize:
         raise CorruptChunkError(f"chunk payload is {len(payload)} bytes, expected "
                                 f"{header.n_values * storage.itemsize}")

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dctchop import quantize as qz
+from dctchop.bitplanes import from_planes
 from dctchop.codec import (
     FORMAT_VERSION,
     MAGIC,
@@ -90,7 +91,16 @@ def test_encode_decode_round_trip(opts, mask, kind):
     assert (h.dtype, h.precision, h.mask, h.shape) == (x.dtype, opts["precision"], mask, x.shape)
     assert (h.axes, h.block, h.keep) == ((1, 2), (8, 6), (5, 4))
     assert h.n_values == plan.n_values
-    assert len(chunk) == h.payload_offset + h.n_values * qz.STORAGE_DTYPES[opts["precision"]].itemsize
+    if opts["precision"] in qz.INT_PRECISIONS:  # integer payloads are stored as bit planes
+        assert h.bitplanes
+        _, seg_starts, _ = plan.order
+        itemsize = qz.STORAGE_DTYPES[opts["precision"]].itemsize
+        n_runs = seg_starts.size - 1
+        assert h.payload_offset + n_runs * itemsize <= len(chunk)
+        assert len(chunk) <= h.payload_offset + n_runs * itemsize * (1 + 8 * ((np.diff(seg_starts).max() + 7) // 8))
+    else:
+        assert not h.bitplanes
+        assert len(chunk) == h.payload_offset + h.n_values * qz.STORAGE_DTYPES[opts["precision"]].itemsize
 
     # error: the mask's (Parseval) error plus the precision's coefficient error plus integer output rounding
     x64 = x.astype(np.float64)
@@ -239,7 +249,9 @@ def test_read_header_fields():
     assert h.payload_offset == 12 + 4 * 3 + 6 + 4 + 8 * len(plan.bands) + 8
     assert chunk[:4] == b"DCTC" and chunk[4] == FORMAT_VERSION
     assert struct.unpack_from("<3I", chunk, 12) == (2, 9, 10)
-    assert len(chunk) == h.payload_offset + 2 * h.n_values
+    assert h.bitplanes  # int16 values are stored as bit planes
+    np.testing.assert_array_equal(
+        from_planes(memoryview(chunk)[h.payload_offset :], plan.order[1], np.int16).size, h.n_values)
     unit = read_header(encode_chunk(x, ChunkSettings((1, 2), (4, 5), (3, 2))))
     assert unit.steps is None and unit.precision == "float32" and unit.mask == "square"
 

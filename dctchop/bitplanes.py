@@ -1,0 +1,151 @@
+"""Bit-plane layout of quantized coefficients: what the lossless stage compresses best.
+
+Quantized DCT coefficients are mostly zero or small. Stored as plain int8/int16, zstd sees bytes that mix
+sign and magnitude bits. Here each band's run is zigzag-mapped (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...) and
+split into bit planes (all values' bit 7, then bit 6, ...; for int16 the high byte's planes first). High
+planes are long runs of zeros; planes that are entirely zero (whole high-frequency bands often are) are not
+stored at all. zstd then compresses the result smaller and faster than plain int8 (measured on the bundled
+images at 40 dB: ratio 4.35 -> 5.25 before zero-plane skipping). Planes are made eight values at a time
+with an 8x8 bit-matrix transpose of one 64-bit word, its own inverse.
+
+Layout for runs of n_s values (values padded with zeros to a multiple of 8):
+
+- one mask per run, ``itemsize`` bytes little-endian: bit p set when plane p (0 = least significant bit of the
+  zigzag value) holds a one;
+- then, run by run, from the most significant plane down, each set plane as ``ceil(n_s / 8)`` bytes.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from dctchop.errors import CorruptChunkError
+
+
+@numba.njit(inline="always")
+def _transpose8(x):  # pragma: no cover - compiled
+    t = (x ^ (x >> np.uint64(7))) & np.uint64(0x00AA00AA00AA00AA)
+    x = x ^ t ^ (t << np.uint64(7))
+    t = (x ^ (x >> np.uint64(14))) & np.uint64(0x0000CCCC0000CCCC)
+    x = x ^ t ^ (t << np.uint64(14))
+    t = (x ^ (x >> np.uint64(28))) & np.uint64(0x00000000F0F0F0F0)
+    return x ^ t ^ (t << np.uint64(28))
+
+
+@numba.njit(inline="always")
+def _zigzag(v, bits):  # pragma: no cover - compiled
+    return np.uint64((np.int64(v) << 1) ^ (np.int64(v) >> (bits - 1))) & np.uint64((1 << bits) - 1)
+
+
+@numba.njit(nogil=True, cache=True)
+def _masks(q, seg_starts, masks):  # pragma: no cover - compiled
+    bits = 8 * q.itemsize
+    for s in range(seg_starts.size - 1):
+        m = np.uint64(0)
+        for i in range(seg_starts[s], seg_starts[s + 1]):
+            m |= _zigzag(q[i], bits)
+        masks[s] = m
+
+
+@numba.njit(inline="always")
+def _set_planes(byte_mask, planes_out):  # pragma: no cover - compiled
+    """Indices of the set bits of one mask byte, most significant first; returns how many."""
+    n = 0
+    for b in range(7, -1, -1):
+        if (byte_mask >> np.uint64(b)) & np.uint64(1):
+            planes_out[n] = b
+            n += 1
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
+    n_bytes = q.itemsize
+    bits = 8 * n_bytes
+    set_planes = np.empty(8, dtype=np.int64)
+    pos = 0
+    for s in range(seg_starts.size - 1):
+        start, stop = seg_starts[s], seg_starts[s + 1]
+        groups = (stop - start + 7) // 8
+        for byte in range(n_bytes - 1, -1, -1):
+            n_set = _set_planes((masks[s] >> np.uint64(8 * byte)) & np.uint64(0xFF), set_planes)
+            if n_set == 0:
+                continue
+            shift = np.uint64(8 * byte)
+            for g in range(groups):
+                base = start + g * 8
+                word = np.uint64(0)
+                for k in range(min(8, stop - base)):
+                    word |= ((_zigzag(q[base + k], bits) >> shift) & np.uint64(0xFF)) << np.uint64(8 * k)
+                word = _transpose8(word)
+                for j in range(n_set):
+                    out[pos + j * groups + g] = np.uint8((word >> np.uint64(8 * set_planes[j])) & np.uint64(0xFF))
+            pos += n_set * groups
+    return pos
+
+
+@numba.njit(nogil=True, cache=True)
+def _unpack(planes, seg_starts, masks, q):  # pragma: no cover - compiled
+    n_bytes = q.itemsize
+    set_planes = np.empty((n_bytes, 8), dtype=np.int64)
+    n_set = np.empty(n_bytes, dtype=np.int64)
+    zz = np.zeros(8, dtype=np.uint64)
+    pos = 0
+    for s in range(seg_starts.size - 1):
+        start, stop = seg_starts[s], seg_starts[s + 1]
+        groups = (stop - start + 7) // 8
+        if masks[s] == 0:
+            for i in range(start, stop):
+                q[i] = 0
+            continue
+        for byte in range(n_bytes):
+            n_set[byte] = _set_planes((masks[s] >> np.uint64(8 * byte)) & np.uint64(0xFF), set_planes[byte])
+        for g in range(groups):
+            for k in range(8):
+                zz[k] = 0
+            block = pos
+            for byte in range(n_bytes - 1, -1, -1):
+                if n_set[byte] == 0:
+                    continue
+                word = np.uint64(0)
+                for j in range(n_set[byte]):
+                    word |= np.uint64(planes[block + j * groups + g]) << np.uint64(8 * set_planes[byte, j])
+                block += n_set[byte] * groups
+                word = _transpose8(word)
+                for k in range(8):
+                    zz[k] |= ((word >> np.uint64(8 * k)) & np.uint64(0xFF)) << np.uint64(8 * byte)
+            base = start + g * 8
+            for k in range(min(8, stop - base)):
+                u = np.int64(zz[k])
+                q[base + k] = (u >> 1) ^ -(u & 1)
+        for byte in range(n_bytes):
+            pos += n_set[byte] * groups
+
+
+def to_planes(q: np.ndarray, seg_starts: np.ndarray) -> bytes:
+    """int8/int16 band-major values -> masks + bit planes."""
+    masks = np.zeros(seg_starts.size - 1, dtype=np.uint64)
+    _masks(q, seg_starts, masks)
+    groups = (np.diff(seg_starts) + 7) // 8
+    planes = [int(m).bit_count() for m in masks]
+    out = np.empty(int(np.dot(groups, planes)), dtype=np.uint8)
+    _pack(q, seg_starts, masks, out)
+    return masks.astype(f"<u{q.itemsize}").tobytes() + out.tobytes()
+
+
+def from_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> np.ndarray:
+    """Inverse of :func:`to_planes`; CorruptChunkError when the size does not match the masks."""
+    dtype = np.dtype(dtype)
+    n_runs = seg_starts.size - 1
+    head = n_runs * dtype.itemsize
+    if len(data) < head:
+        raise CorruptChunkError("bit-plane payload is shorter than its run masks")
+    masks = np.frombuffer(data, dtype=f"<u{dtype.itemsize}", count=n_runs).astype(np.uint64)
+    groups = (np.diff(seg_starts) + 7) // 8
+    expected = head + int(sum(int(g) * int(m).bit_count() for g, m in zip(groups, masks)))
+    if len(data) != expected:
+        raise CorruptChunkError(f"bit-plane payload is {len(data)} bytes, its masks say {expected}")
+    q = np.empty(int(seg_starts[-1]), dtype=dtype)
+    _unpack(np.frombuffer(data, dtype=np.uint8, offset=head), seg_starts, masks, q)
+    return q

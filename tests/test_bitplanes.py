@@ -1,0 +1,51 @@
+"""Bit-plane layout of quantized values: exact round trips and strict size checks."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from dctchop.bitplanes import from_planes, to_planes
+from dctchop.errors import CorruptChunkError
+
+
+def runs(n: int, cuts: list[int]) -> np.ndarray:
+    return np.unique(np.array([0, *[c % (n + 1) for c in cuts], n], dtype=np.int64))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(dtype=st.sampled_from([np.int8, np.int16]), data=st.data())
+def test_round_trip_is_exact(dtype, data):
+    info = np.iinfo(dtype)
+    q = data.draw(arrays(dtype, st.integers(0, 300), elements=st.integers(info.min, info.max)))
+    cuts = data.draw(st.lists(st.integers(0, 400), max_size=6))
+    seg = runs(q.size, cuts)
+    payload = to_planes(q, seg)
+    np.testing.assert_array_equal(from_planes(payload, seg, dtype), q)
+
+
+def test_zero_runs_store_only_their_masks():
+    q = np.zeros(1000, dtype=np.int8)
+    q[:8] = [1, -1, 2, -2, 3, -3, 0, 0]
+    seg = np.array([0, 8, 1000], dtype=np.int64)
+    payload = to_planes(q, seg)
+    # two one-byte masks, then the 3 planes zigzag values up to 6 need, one byte each for the first run
+    assert len(payload) == 2 + 3
+    np.testing.assert_array_equal(from_planes(payload, seg, np.int8), q)
+
+
+def test_extremes_and_int16_high_byte():
+    q = np.array([-32768, 32767, 0, -1, 1, 255, -256, 4096], dtype=np.int16)
+    seg = np.array([0, 3, 8], dtype=np.int64)
+    np.testing.assert_array_equal(from_planes(to_planes(q, seg), seg, np.int16), q)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 3, -1])
+def test_wrong_size_is_corrupt(cut):
+    q = np.arange(-50, 50, dtype=np.int8)
+    seg = np.array([0, 40, 100], dtype=np.int64)
+    payload = to_planes(q, seg)
+    damaged = payload[:cut] if cut >= 0 else payload + b"\0"
+    with pytest.raises(CorruptChunkError):
+        from_planes(damaged, seg, np.int8)
