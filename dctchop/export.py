@@ -78,9 +78,13 @@ def _copy_group(zgroup, hgroup) -> None:
 
 
 def _h5_attr(value):
-    """JSON attributes back to HDF5: lists become arrays, dicts become JSON strings."""
+    """JSON attributes back to HDF5: dicts become JSON strings, lists of strings variable-length string
+    arrays, other lists numpy arrays (a list mixing types becomes a JSON string)."""
     if isinstance(value, dict):
         return json.dumps(value)
     if isinstance(value, list):
-        return np.asarray(value)
+        if value and all(isinstance(v, str) for v in value):
+            return np.array(value, dtype=h5py.string_dtype())
+        array = np.asarray(value)
+        return array if array.dtype.kind in "biuf" else json.dumps(value)
     return value

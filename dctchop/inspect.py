@@ -54,7 +54,7 @@ def inspect_store(path: str | Path, chunks: bool = False) -> dict:
             "shape": a["shape"], "dtype": a["dtype"], "layout": a["layout"], "axes": a["axes"],
             "chunks": a["chunks"], "target": a["target"], "codec": a["codec"], "peak": a["peak"],
             "original_bytes": a["original_bytes"], "stored_bytes": stored, "ratio": a["original_bytes"] / stored,
-            "psnr": a["psnr"], "psnr_min": float(table["psnr"].min()), "psnr_mean": float(table["psnr"].mean()),
+            "psnr": float(a["psnr"]), "psnr_min": float(table["psnr"].min()), "psnr_mean": float(table["psnr"].mean()),
             "psnr_max": float(table["psnr"].max()), "max_abs_error": float(table["max_abs_error"].max()),
             "damaged_chunks": chunk_problems(path, name, a["shape"], a["chunks"]),
         }
@@ -90,8 +90,13 @@ def verify_store(path: str | Path, source_path: str | Path) -> dict:
     metadata. Returns per array the number of chunks checked and the mismatches found."""
     group, info = open_store(path)
     require_intact(path, info)
-    source = open_source(str(source_path), datasets=[a["source"] for a in info["arrays"].values()])
-    by_name = {a.name: a for a in source.lossy}
+    if info["source"]["kind"] == "npy" or str(source_path).lower().endswith(".npy"):
+        source = open_source(str(source_path))  # one array: its name is the file's, whatever it is called now
+        by_name = {a["source"]: source.lossy[0] for a in info["arrays"].values()} if source.lossy else {}
+    else:
+        source = open_source(str(source_path), datasets=[a["source"] for a in info["arrays"].values()],
+                             lossless=info.get("lossless", []))
+        by_name = {a.name: a for a in source.lossy}
     report = {}
     for name, a in info["arrays"].items():
         src = by_name.get(a["source"])

@@ -202,25 +202,31 @@ def _sample_ranges(plan: ArrayPlan) -> list[tuple[int, int]]:
     return [ranges[i] for i in picks]
 
 
-def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int) -> float:
-    """Quantization step whose compressed size on a sample of chunks gives ``ratio`` (within 1%)."""
+def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int) -> float:
+    """Quantization step that gives the array ``ratio`` (within 1%), counting ``overhead`` bytes of metadata.
+
+    The chunk bytes are measured on a sample of chunks (all of them for arrays up to 64 MB) and scaled to
+    the whole array.
+    """
     zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
-    sample = [_pad_to_chunk(plan.source.read(*r), plan.chunks) for r in _sample_ranges(plan)]
-    original = sum(x.nbytes for x in sample) * _real_fraction(plan, _sample_ranges(plan))
+    ranges = _sample_ranges(plan)
+    sample = [_pad_to_chunk(plan.source.read(*r), plan.chunks) for r in ranges]
+    n_chunks = len(_chunk_ranges(plan.source.shape[0], plan.chunks[0]))
+    original = math.prod(plan.source.shape) * plan.source.dtype.itemsize
 
     def achieved(step: float) -> float:
         settings = replace(plan.settings, step=step, target_psnr=None)
-        stored = sum(len(zstd.encode(encode_chunk(x, settings, threads))) + 4 for x in sample)
-        return original / stored
+        chunk_bytes = sum(len(zstd.encode(encode_chunk(x, settings, threads))) + 4 for x in sample)
+        return original / (chunk_bytes * n_chunks / len(sample) + overhead)
 
     scale = max(plan.peak, float(max(np.abs(x).max() for x in sample)), 1e-30)
     lo, hi = math.log(scale * 1e-7), math.log(scale * 64)
     if achieved(math.exp(lo)) > ratio * (1 + RATIO_TOLERANCE):
         raise DctchopError(f"{plan.name}: ratio {ratio:g} is lower than the finest {plan.settings.precision} "
                            f"quantization gives ({achieved(math.exp(lo)):.3g}); ask for a higher ratio")
-    if achieved(math.exp(hi)) < ratio:
+    if achieved(math.exp(hi)) < ratio * (1 - RATIO_TOLERANCE):
         raise DctchopError(f"{plan.name}: ratio {ratio:g} is unreachable (at most about "
-                           f"{achieved(math.exp(hi)):.3g} with these settings)")
+                           f"{achieved(math.exp(hi)):.3g} with these settings, metadata included)")
     for _ in range(40):
         mid = (lo + hi) / 2
         r = achieved(math.exp(mid))
@@ -228,10 +234,6 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int) -> float:
             return math.exp(mid)
         lo, hi = (mid, hi) if r < ratio else (lo, mid)
     return math.exp((lo + hi) / 2)
-
-
-def _real_fraction(plan: ArrayPlan, ranges) -> float:
-    return sum(e - s for s, e in ranges) / (len(ranges) * plan.chunks[0])
 
 
 def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...]) -> np.ndarray:
@@ -256,10 +258,25 @@ def remove_stale_temporaries(output: Path) -> None:
     for tmp in output.parent.glob(f".{output.name}.dctchop-*-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
-            if tmp.is_dir():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                tmp.unlink(missing_ok=True)
+            _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or a directory tree, whichever it is."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _discard_temporary(tmp: Path) -> None:
+    """Remove the temporary store. Zarr writes metadata from its own event-loop thread, which may finish a
+    pending write just after an interrupt reached this thread, so look again a few times."""
+    for _ in range(5):
+        _remove(tmp)
+        time.sleep(0.05)
+        if not tmp.exists():
+            return
 
 
 def _process_alive(pid: int) -> bool:
@@ -332,13 +349,23 @@ def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, fl
     return qz.psnr(mse, peak), float(np.max(np.abs(diff))) if diff.size else 0.0, math.sqrt(mse)
 
 
-def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan) -> None:
+def _metadata_bytes(root: Path, plan: ArrayPlan) -> int:
+    """Bytes an array's store takes besides its chunk files: its zarr.json, the metadata arrays' zarr.json
+    files, and one element file per chunk and metadata field."""
+    n_chunks = len(_chunk_ranges(plan.source.shape[0], plan.chunks[0]))
+    element_bytes = sum(np.dtype(d).itemsize for d in META_FIELDS.values())
+    return directory_bytes(root / plan.name) + directory_bytes(root / META_GROUP / plan.name) + n_chunks * element_bytes
+
+
+def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = False) -> None:
     """The data array (its chunks are written by :func:`encode_chunk_task`) and the metadata arrays, one
     element per data chunk stored as plain little-endian bytes, so each task writes its own elements."""
     src = plan.source
     group.create_array(plan.name, shape=src.shape, chunks=plan.chunks, dtype=src.dtype, serializer=plan.codec,
                        compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0,
-                       attributes=src.attrs)
+                       attributes=src.attrs, overwrite=overwrite)
+    if overwrite:
+        return
     grid = tuple(-(-s // c) for s, c in zip(src.shape, plan.chunks))
     meta_group = group.require_group(META_GROUP).require_group(plan.name)
     for key, dtype in META_FIELDS.items():
@@ -379,10 +406,9 @@ def _write_file(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
-def _write_lossy(group: zarr.Group, root: Path, plan: ArrayPlan, workers: int, scheduler: str | None,
+def _write_lossy(root: Path, plan: ArrayPlan, workers: int, scheduler: str | None,
                  progress: Callable[[int], None]) -> dict:
-    """Create the arrays, then run one task per chunk on local threads or on Dask."""
-    _create_lossy_arrays(group, plan)
+    """Run one task per chunk (the arrays exist already) on local threads or on Dask."""
     ranges = _chunk_ranges(plan.source.shape[0], plan.chunks[0])
     items = [(plan, str(root), i, s, e) for i, (s, e) in enumerate(ranges)]
     meta = {k: np.zeros(len(ranges), dtype=v) for k, v in META_FIELDS.items()}
@@ -474,10 +500,13 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
         for plan in plans:
             if plan.source.dtype.kind == "f":
                 scan_float(plan)
+            _create_lossy_arrays(group, plan)
             if plan.target.kind == "ratio":
+                overhead = _metadata_bytes(tmp, plan)
                 plan.settings = replace(plan.settings, step=search_ratio_step(plan, float(plan.target.value),
-                                                                              workers))
-            result = _write_lossy(group, tmp, plan, workers, options.scheduler, progress)
+                                                                              workers, overhead))
+                _create_lossy_arrays(group, plan, overwrite=True)  # the codec configuration now names the step
+            result = _write_lossy(tmp, plan, workers, options.scheduler, progress)
             arrays[plan.name] = _array_summary(plan, result, tmp)
         for array in source.lossless:
             _write_lossless(group, source, array, progress)
@@ -488,15 +517,15 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
             old = output.with_name(f".{output.name}.dctchop-old-{os.getpid()}")
             os.rename(output, old)
             os.rename(tmp, output)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         else:
             os.rename(tmp, output)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard_temporary(tmp)
         where = f" ({e.filename})" if e.filename else ""
         raise DctchopError(f"compress failed: {e.strerror or e}{where}; {output} was not written") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard_temporary(tmp)
         raise
     return summary
 
@@ -552,5 +581,16 @@ def _store_summary(source: Source, arrays: dict, root: Path, seconds: float) -> 
 
 
 def json_safe(obj):
-    """Summary -> JSON (inf/nan as strings, which json.dumps cannot write portably)."""
-    return json.loads(json.dumps(obj, default=str).replace("Infinity", '"inf"').replace("NaN", '"nan"'))
+    """Summary -> plain JSON types, non-finite floats as the strings "inf", "-inf", "nan" (JSON has no
+    literal for them)."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else str(float(obj))
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    return str(obj)

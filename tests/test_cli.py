@@ -1,0 +1,902 @@
+"""End-to-end tests of the ``dctchop`` command line (issue #3): real files, the installed executable.
+
+Every test runs ``dctchop`` as a subprocess on inputs made here with numpy/h5py and checks the result with
+plain ``zarr.open`` / ``h5py`` / ``json``, never through the library's own reporting alone: PSNR values are
+recomputed from the decoded arrays with the documented definition (peak = the dtype's range for integer
+data, max - min of the original for floating-point data) and the chop (``--keep``) is checked against a
+reference blockwise orthonormal DCT made with ``scipy.fft``.
+
+Each CLI call costs a second or two of start-up, so stores that several tests read are built once per
+module, and related checks share one invocation.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import h5py
+import numpy as np
+import pytest
+import scipy.fft
+import zarr
+
+DCTCHOP = Path(sys.executable).parent / "dctchop"
+META_FIELDS = ("psnr", "max_abs_error", "rmse", "stored_bytes", "step")
+PSNR_TOL = 0.01
+
+
+# --------------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+def run(*args, cwd=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(DCTCHOP), *map(str, args)], check=False, capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    assert "Traceback" not in p.stderr
+    return p
+
+
+def user_error(p: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Exit 1 with exactly one line ``dctchop: error: ...`` on stderr, no traceback."""
+    assert p.returncode == 1, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    lines = [line for line in p.stderr.splitlines() if line.strip() and not _is_layout_line(line)]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("dctchop: error: "), p.stderr
+    assert "Traceback" not in p.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+def _is_layout_line(line: str) -> bool:
+    pattern = r"^\S+: \[[0-9, ]*\] \w+, layout \w+, (transforming|transformed) axes \["
+    return re.match(pattern, line) is not None
+
+
+def layout_lines(p: subprocess.CompletedProcess) -> dict[str, str]:
+    """The printed layout line of each lossy array, by name, normalised to "transformed axes".
+
+    The line's stream and wording have moved (stderr "transforming axes" before compressing, now stdout
+    "transformed axes" in the final summary); what it says is what is checked.
+    """
+    lines = (p.stdout + "\n" + p.stderr).splitlines()
+    return {line.split(":")[0]: line.replace("transforming axes", "transformed axes")
+            for line in lines if _is_layout_line(line)}
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def snapshot(path: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(f.relative_to(path)): (f.read_bytes(), f.stat().st_mtime_ns)
+            for f in Path(path).rglob("*") if f.is_file()}
+
+
+def leftovers(directory: Path, name: str) -> list[str]:
+    return sorted(glob.glob(str(Path(directory) / f".{name}.dctchop-*")))
+
+
+def psnr(x: np.ndarray, y: np.ndarray, peak: float) -> float:
+    mse = float(np.mean((y.astype(np.float64) - x.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 20 * math.log10(peak) - 10 * math.log10(mse)
+
+
+def peak_of(x: np.ndarray) -> float:
+    if x.dtype.kind in "iu":
+        info = np.iinfo(x.dtype)
+        return float(info.max) - float(info.min)
+    return float(x.max()) - float(x.min())
+
+
+def chunk_psnrs(x: np.ndarray, y: np.ndarray, chunk: int) -> list[float]:
+    peak = peak_of(x)
+    return [psnr(x[s:s + chunk], y[s:s + chunk], peak) for s in range(0, x.shape[0], chunk)]
+
+
+def open_store(path: Path) -> zarr.Group:
+    return zarr.open_group(str(path), mode="r")
+
+
+def info_of(path: Path) -> dict:
+    return open_store(path).attrs["dctchop"]
+
+
+def decoded(path: Path, name: str) -> np.ndarray:
+    return zarr.open(str(path), mode="r")[name][:]
+
+
+def reference_chop(x: np.ndarray, axes, block, keep, mask="square") -> np.ndarray:
+    """Blockwise orthonormal DCT-II along ``axes`` (lengths multiples of ``block``), keep the low
+    frequencies (square: i_d < k_d; triangle: sum i_d / k_d < 1), inverse; float64."""
+    shape, split = [], []
+    for a, n in enumerate(x.shape):
+        if a in axes:
+            b = block[axes.index(a)]
+            assert n % b == 0
+            shape += [n // b, b]
+            split.append(len(shape) - 1)
+        else:
+            shape.append(n)
+    c = scipy.fft.dctn(x.astype(np.float64).reshape(shape), axes=split, norm="ortho")
+    grids = np.meshgrid(*[np.arange(block[i]) for i in range(len(axes))], indexing="ij")
+    if mask == "square":
+        keep_mask = np.logical_and.reduce([g < k for g, k in zip(grids, keep)])
+    else:
+        keep_mask = sum(g / k for g, k in zip(grids, keep)) < 1
+    full = [1] * len(shape)
+    for i, s in enumerate(split):
+        full[s] = block[i]
+    m = keep_mask.reshape(full)  # split positions increase: only size-1 axes are inserted
+    y = scipy.fft.idctn(c * m, axes=split, norm="ortho")
+    return y.reshape(x.shape)
+
+
+def as_dtype(y: np.ndarray, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.clip(np.rint(y), info.min, info.max).astype(dtype)
+    return y.astype(dtype)
+
+
+def smooth_images(n: int, h: int = 32, w: int = 32, c: int = 3, seed: int = 0) -> np.ndarray:
+    """uint8 (n, h, w, c): per-image random low-frequency patterns plus a little noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w]
+    f = rng.uniform(0.1, 0.6, (n, c, 2))
+    ph = rng.uniform(0, 6, (n, c))
+    img = 127 + 100 * np.sin(x[None, None] * f[:, :, 0, None, None] + ph[:, :, None, None]) \
+        * np.cos(y[None, None] * f[:, :, 1, None, None])
+    img = img.transpose(0, 2, 3, 1) + rng.normal(0, 3, (n, h, w, c))
+    return np.clip(np.rint(img), 0, 255).astype(np.uint8)
+
+
+def smooth_field(shape, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    grids = np.meshgrid(*[np.linspace(0, 1, n) for n in shape], indexing="ij")
+    f = np.zeros(shape)
+    for k in range(4):
+        freq = rng.uniform(1, 6, len(shape))
+        f += np.sin(sum(fr * g for fr, g in zip(freq, grids)) * 2 + rng.uniform(0, 6)) / (k + 1)
+    return (f + 0.01 * rng.standard_normal(shape)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# inputs and shared stores (built once)
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> SimpleNamespace:
+    d = tmp_path_factory.mktemp("inputs")
+    images = smooth_images(64)
+    labels = np.random.default_rng(5).integers(0, 10, 64)
+    ids = np.arange(1000, 1064, dtype=np.int32)
+    times = np.linspace(0.0, 1.0, 64) ** 2
+    aux = smooth_field((64, 16), seed=7)
+    with h5py.File(d / "images.h5", "w") as f:
+        f.attrs["title"] = "synthetic scenes"
+        f.attrs["n_classes"] = np.int64(10)
+        f.attrs["mean"] = np.array([0.5, 0.25, 0.125])
+        f.attrs["flag"] = True
+        f.attrs["complex"] = 1 + 2j  # not JSON-serialisable: dropped
+        ds = f.create_dataset("images", data=images)
+        ds.attrs["unit"] = "px"
+        ds.attrs["scale"] = 2.5
+        f.create_dataset("labels", data=labels).attrs["classes"] = np.int64(10)
+        g = f.create_group("extra")
+        g.attrs["k"] = 1.5
+        g.attrs["tags"] = np.array([1, 2, 3])
+        g.create_dataset("ids", data=ids)
+        g.create_dataset("aux", data=aux).attrs["kind"] = "aux field"
+        s = g.create_group("sub")
+        s.attrs["note"] = "nested"
+        s.create_dataset("t", data=times)
+        f.create_group("empty").attrs["why"] = "kept anyway"
+    np.save(d / "imgs.npy", images)
+    field = smooth_field((32, 32, 32))
+    np.save(d / "field.npy", field)
+    multi = SimpleNamespace(
+        nchw=np.ascontiguousarray(smooth_images(16, seed=2).transpose(0, 3, 1, 2)),
+        nzyx=smooth_field((4, 16, 16, 16), seed=3),
+        nhw=smooth_images(16, seed=4)[..., 0].copy(),
+    )
+    with h5py.File(d / "multi.h5", "w") as f:
+        f.create_dataset("nchw", data=multi.nchw)
+        f.create_dataset("nzyx", data=multi.nzyx)
+        f.create_dataset("nhw", data=multi.nhw)
+    big = smooth_images(512, seed=9)
+    np.save(d / "big.npy", big)
+    return SimpleNamespace(dir=d, h5=d / "images.h5", npy=d / "imgs.npy", field_npy=d / "field.npy",
+                           multi_h5=d / "multi.h5", big_npy=d / "big.npy", images=images, labels=labels,
+                           ids=ids, times=times, aux=aux, field=field, multi=multi, big=big)
+
+
+@pytest.fixture(scope="module")
+def base(data, tmp_path_factory) -> SimpleNamespace:
+    """images.h5 with default settings (no quality option), 4 chunks, JSON summary."""
+    out = tmp_path_factory.mktemp("base") / "images.zarr"
+    p = ok(run("compress", data.h5, out, "--chunk-samples", "16", "--json"))
+    return SimpleNamespace(store=out, proc=p, summary=json.loads(p.stdout))
+
+
+@pytest.fixture(scope="module")
+def field_store(data, tmp_path_factory) -> SimpleNamespace:
+    """field.npy (float32 3-D) with default settings, 4 chunks of 8 planes."""
+    out = tmp_path_factory.mktemp("field") / "field.zarr"
+    p = ok(run("compress", data.field_npy, out, "--chunk-samples", "8"))
+    return SimpleNamespace(store=out, proc=p)
+
+
+@pytest.fixture(scope="module")
+def psnr45(data, tmp_path_factory) -> SimpleNamespace:
+    """imgs.npy with --psnr 45, 4 chunks, 2 workers, --precision int16 (the default, named)."""
+    out = tmp_path_factory.mktemp("psnr45") / "imgs.zarr"
+    p = ok(run("compress", data.npy, out, "--psnr", "45", "--chunk-samples", "16", "--workers", "2",
+               "--precision", "int16"))
+    return SimpleNamespace(store=out, proc=p)
+
+
+# --------------------------------------------------------------------------------------------------------
+# version and help
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_version():
+    from dctchop._version import __version__
+
+    p = ok(run("--version"))
+    assert p.stdout.strip() == f"dctchop, version {__version__}"
+
+
+def test_group_help_lists_commands():
+    p = ok(run("-h"))
+    assert p.stdout.startswith("Usage: dctchop")
+    for command in ("compress", "inspect", "decompress"):
+        assert command in p.stdout
+    assert "--version" in p.stdout and "--debug" in p.stdout
+
+
+@pytest.mark.parametrize("command, options", [
+    ("compress", ["--dataset", "--lossless", "--axes", "--keep", "--ratio", "--psnr", "--block", "--mask",
+                  "--precision", "--chunk-samples", "--workers", "--overwrite", "--quiet", "--json",
+                  "--progress"]),
+    ("inspect", ["--json", "--chunks", "--verify"]),
+    ("decompress", ["--overwrite"]),
+])
+def test_command_help(command, options):
+    p = ok(run(command, "-h"))
+    text = " ".join(p.stdout.split())  # undo click's line wrapping
+    assert text.startswith(f"Usage: dctchop {command}")
+    for option in options:
+        assert option in text, option
+    if command in ("compress", "inspect"):
+        assert "PSNR = 20 log10(peak) - 10 log10(MSE)" in text
+        assert "255 for uint8" in text and "max - min" in text
+
+
+# --------------------------------------------------------------------------------------------------------
+# compress: inputs, layouts, selection, store contents
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_compress_h5_defaults_store_layout_and_summary(data, base):
+    store, summary = base.store, base.summary
+    # the inferred layout and axes (--json: in the summary; the printed line is checked on human output)
+    for name, (layout, axes, chunks) in {"images": ("NHWC", [1, 2], [16, 32, 32, 3]),
+                                         "extra/aux": ("HW", [0, 1], [16, 16])}.items():
+        a = summary["arrays"][name]
+        assert (a["layout"], a["axes"], a["chunks"]) == (layout, axes, chunks), name
+    assert set(layout_lines(base.proc)) <= {"images", "extra/aux"}
+    assert "%|" not in base.proc.stderr  # no progress bar without a TTY
+
+    # --json: valid JSON on stdout only, with ratio/psnr per array and totals
+    assert set(summary["arrays"]) == {"images", "extra/aux"}
+    assert sorted(summary["lossless"]) == ["extra/ids", "extra/sub/t", "labels"]
+    for name, a in summary["arrays"].items():
+        for key in ("ratio", "psnr", "psnr_min", "psnr_mean", "max_abs_error", "original_bytes",
+                    "stored_bytes"):
+            assert key in a, key
+        # achieved ratio = original bytes / stored bytes of the array, metadata included
+        on_disk = tree_bytes(store / name) + tree_bytes(store / "dctchop_meta" / name)
+        assert a["stored_bytes"] == on_disk
+        assert a["ratio"] == pytest.approx(a["original_bytes"] / on_disk)
+    assert summary["totals"]["original_bytes"] == data.images.nbytes + data.aux.nbytes
+
+    # default targets: 40 dB for integer data, 60 dB for floating point
+    images, aux = summary["arrays"]["images"], summary["arrays"]["extra/aux"]
+    assert images["target"] == {"kind": "psnr", "value": 40.0}
+    assert aux["target"] == {"kind": "psnr", "value": 60.0}
+    assert images["codec"]["precision"] == "int16"
+    for name, x, target in (("images", data.images, 40.0), ("extra/aux", data.aux, 60.0)):
+        y = decoded(store, name)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        per_chunk = chunk_psnrs(x, y, 16)
+        assert min(per_chunk) >= target - PSNR_TOL
+        assert summary["arrays"][name]["psnr"] == pytest.approx(psnr(x, y, peak_of(x)), abs=1e-6)
+        assert summary["arrays"][name]["max_abs_error"] == pytest.approx(
+            float(np.max(np.abs(y.astype(np.float64) - x))), abs=1e-9)
+
+    g = open_store(store)
+    # lossless copies (1-D datasets): bit-exact, same dtype
+    for name, x in (("labels", data.labels), ("extra/ids", data.ids), ("extra/sub/t", data.times)):
+        y = g[name][:]
+        assert y.dtype == x.dtype and y.tobytes() == x.tobytes(), name
+
+    # groups and JSON-serialisable attributes are kept; the complex attribute is dropped
+    root = dict(g.attrs)
+    assert root["title"] == "synthetic scenes" and root["n_classes"] == 10
+    assert root["mean"] == [0.5, 0.25, 0.125] and root["flag"] is True
+    assert "complex" not in root
+    assert dict(g["extra"].attrs) == {"k": 1.5, "tags": [1, 2, 3]}
+    assert dict(g["extra/sub"].attrs) == {"note": "nested"}
+    assert dict(g["empty"].attrs) == {"why": "kept anyway"}
+    assert dict(g["images"].attrs) == {"unit": "px", "scale": 2.5}
+    assert dict(g["labels"].attrs) == {"classes": 10}
+    assert dict(g["extra/aux"].attrs) == {"kind": "aux field"}
+
+    # per-chunk metadata arrays, shaped like the chunk grid
+    for name, grid in (("images", (4, 1, 1, 1)), ("extra/aux", (4, 1))):
+        for key in META_FIELDS:
+            m = g[f"dctchop_meta/{name}/{key}"]
+            assert m.shape == grid, (name, key)
+        x = data.images if name == "images" else data.aux
+        y = decoded(store, name)
+        stored_psnr = g[f"dctchop_meta/{name}/psnr"][:].ravel()
+        np.testing.assert_allclose(stored_psnr, chunk_psnrs(x, y, 16), rtol=0, atol=1e-6)
+        rmse = g[f"dctchop_meta/{name}/rmse"][:].ravel()
+        np.testing.assert_allclose(rmse, [math.sqrt(np.mean((y[s:s + 16].astype(float) - x[s:s + 16]) ** 2))
+                                          for s in range(0, 64, 16)], rtol=1e-9)
+        chunk_files = sorted((store / name / "c").rglob("*"))
+        sizes = [f.stat().st_size for f in chunk_files if f.is_file()]
+        assert sorted(g[f"dctchop_meta/{name}/stored_bytes"][:].ravel().tolist()) == sorted(sizes)
+        assert np.all(g[f"dctchop_meta/{name}/step"][:] > 0)
+
+    # group attrs: version, source path and dataset, settings, totals
+    from dctchop._version import __version__
+
+    info = root["dctchop"]
+    assert info["version"] == __version__
+    assert info["source"] == {"path": str(data.h5), "kind": "hdf5"}
+    assert info["arrays"]["images"]["source"] == "/images"
+    assert info["arrays"]["extra/aux"]["source"] == "/extra/aux"
+    assert info["arrays"]["images"]["codec"]["block"] == [8, 8]
+    assert info["arrays"]["images"]["codec"]["mask"] == "square"
+    assert info["arrays"]["images"]["target"] == {"kind": "psnr", "value": 40.0}
+    assert info["totals"]["original_bytes"] == summary["totals"]["original_bytes"]
+    assert info["totals"]["lossy_stored_bytes"] == summary["totals"]["lossy_stored_bytes"]
+
+
+def test_compress_npy_float_field_defaults(data, field_store):
+    store, p = field_store.store, field_store.proc
+    line = layout_lines(p)["data"]
+    assert "[32, 32, 32] float32, layout ZYX, transformed axes [0, 1, 2], chunks of 8" in line
+    # human summary on stdout
+    assert "data: " in p.stdout and "ratio " in p.stdout and "PSNR " in p.stdout
+    assert f"-> {store}" in p.stdout
+    info = info_of(store)
+    a = info["arrays"]["data"]
+    assert info["source"] == {"path": str(data.field_npy), "kind": "npy"}
+    assert a["axes"] == [0, 1, 2] and a["layout"] == "ZYX" and a["chunks"] == [8, 32, 32]
+    assert a["target"] == {"kind": "psnr", "value": 60.0}
+    x, y = data.field, decoded(store, "data")
+    assert y.dtype == np.float32
+    peak = float(x.max()) - float(x.min())
+    assert a["peak"] == pytest.approx(peak)
+    per_chunk = chunk_psnrs(x, y, 8)
+    assert min(per_chunk) >= 60 - PSNR_TOL
+    np.testing.assert_allclose(open_store(store)["dctchop_meta/data/psnr"][:].ravel(), per_chunk, atol=1e-6)
+    assert open_store(store)["dctchop_meta/data/psnr"].shape == (4, 1, 1)
+
+
+def test_compress_layouts_nchw_nzyx_nhw(data, tmp_path):
+    out = tmp_path / "multi.zarr"
+    p = ok(run("compress", data.multi_h5, out))
+    lines = layout_lines(p)
+    assert "[16, 3, 32, 32] uint8, layout NCHW, transformed axes [2, 3]" in lines["nchw"]
+    assert "[4, 16, 16, 16] float32, layout NZYX, transformed axes [1, 2, 3]" in lines["nzyx"]
+    assert "[16, 32, 32] uint8, layout NHW, transformed axes [1, 2]" in lines["nhw"]
+    info = info_of(out)
+    expect = {"nchw": ([2, 3], "NCHW", 40.0), "nzyx": ([1, 2, 3], "NZYX", 60.0), "nhw": ([1, 2], "NHW", 40.0)}
+    for name, (axes, layout, target) in expect.items():
+        a = info["arrays"][name]
+        assert (a["axes"], a["layout"], a["target"]["value"]) == (axes, layout, target)
+        x = getattr(data.multi, name)
+        y = decoded(out, name)
+        assert psnr(x, y, peak_of(x)) >= target - PSNR_TOL
+
+
+def test_axes_override_block_and_chop_float32(data, tmp_path):
+    out = tmp_path / "axes.zarr"
+    p = ok(run("compress", data.field_npy, out, "--axes", "1,2", "--block", "4", "--keep", "2",
+               "--precision", "float32"))
+    assert "layout custom, transformed axes [1, 2]" in layout_lines(p)["data"]
+    a = open_store(out).attrs["dctchop"]["arrays"]["data"]
+    assert a["axes"] == [1, 2] and a["layout"] == "custom"
+    assert a["codec"]["block"] == [4, 4] and a["codec"]["keep"] == [2, 2]
+    assert a["codec"]["precision"] == "float32" and a["target"] == {"kind": "keep", "value": [2]}
+    ref = reference_chop(data.field, (1, 2), (4, 4), (2, 2))
+    y = decoded(out, "data")
+    span = float(data.field.max() - data.field.min())
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * span)
+
+
+def test_dataset_repeatable_selects_exactly(data, tmp_path):
+    out = tmp_path / "sel.zarr"
+    p = ok(run("compress", data.h5, out, "--dataset", "images", "--dataset", "/extra/aux", "--json"))
+    summary = json.loads(p.stdout)
+    assert set(summary["arrays"]) == {"images", "extra/aux"}
+    assert summary["lossless"] == []
+    g = open_store(out)
+    assert "labels" not in g and "ids" not in g["extra"]
+    assert decoded(out, "extra/aux").shape == data.aux.shape
+
+
+def test_lossless_option_copies_bit_exactly(data, tmp_path):
+    out = tmp_path / "ll.zarr"
+    p = ok(run("compress", data.h5, out, "--lossless", "extra/aux", "--json"))
+    assert set(layout_lines(p)) <= {"images"}
+    summary = json.loads(p.stdout)
+    assert set(summary["arrays"]) == {"images"}
+    assert sorted(summary["lossless"]) == ["extra/aux", "extra/ids", "extra/sub/t", "labels"]
+    g = open_store(out)
+    y = g["extra/aux"][:]
+    assert y.dtype == np.float32 and y.tobytes() == data.aux.tobytes()
+    assert not (out / "dctchop_meta" / "extra" / "aux").exists()
+    assert dict(g["extra/aux"].attrs) == {"kind": "aux field"}
+
+
+# --------------------------------------------------------------------------------------------------------
+# quality targets and transform options
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_keep_4_is_the_chop_default_float16(data, tmp_path):
+    out = tmp_path / "k4.zarr"
+    p = ok(run("compress", data.npy, out, "--keep", "4", "--json"))
+    a = json.loads(p.stdout)["arrays"]["data"]
+    assert a["target"] == {"kind": "keep", "value": [4]}
+    assert a["codec"]["keep"] == [4, 4] and a["codec"]["block"] == [8, 8]
+    assert a["codec"]["precision"] == "float16" and a["codec"]["mask"] == "square"
+    y = decoded(out, "data")
+    expected = as_dtype(reference_chop(data.images, (1, 2), (8, 8), (4, 4)), np.uint8)
+    diff = np.abs(y.astype(int) - expected)
+    assert diff.max() <= 1 and np.mean(diff != 0) < 0.05  # float16 coefficients
+    assert a["psnr"] == pytest.approx(psnr(data.images, y, 255.0), abs=1e-6)
+
+
+def test_keep_4_2_triangle_mask(data, tmp_path):
+    out = tmp_path / "k42.zarr"
+    p = ok(run("compress", data.npy, out, "--keep", "4,2", "--mask", "triangle", "--precision", "float16",
+               "--json"))
+    a = json.loads(p.stdout)["arrays"]["data"]
+    assert a["codec"]["keep"] == [4, 2] and a["codec"]["mask"] == "triangle"
+    assert a["target"] == {"kind": "keep", "value": [4, 2]}
+    y = decoded(out, "data")
+    expected = as_dtype(reference_chop(data.images, (1, 2), (8, 8), (4, 2), "triangle"), np.uint8)
+    diff = np.abs(y.astype(int) - expected)
+    assert diff.max() <= 1 and np.mean(diff != 0) < 0.05  # float16 coefficients
+    # square 4x2 keeps a superset of triangle 4,2: the triangle can only be worse
+    square = as_dtype(reference_chop(data.images, (1, 2), (8, 8), (4, 2)), np.uint8)
+    assert psnr(data.images, y, 255) < psnr(data.images, square, 255)
+
+
+# float32 is named in test_axes_override_block_and_chop_float32, float16 in test_keep_4_2_triangle_mask and
+# int16 in the psnr45 store; the other two here
+@pytest.mark.parametrize("precision, max_diff", [("bfloat16", 4), ("int8", 8)])
+def test_keep_with_each_precision(data, tmp_path, precision, max_diff):
+    out = tmp_path / f"{precision}.zarr"
+    p = ok(run("compress", data.npy, out, "--keep", "4", "--precision", precision, "--json", "--quiet"))
+    assert p.stderr == ""
+    a = json.loads(p.stdout)["arrays"]["data"]
+    assert a["codec"]["precision"] == precision and a["codec"]["keep"] == [4, 4]
+    y = decoded(out, "data")
+    ref = as_dtype(reference_chop(data.images, (1, 2), (8, 8), (4, 4)), np.uint8)
+    assert np.abs(y.astype(int) - ref).max() <= max_diff
+    assert psnr(data.images, y, 255) == pytest.approx(psnr(data.images, ref, 255), abs=1.0)
+    assert a["psnr"] == pytest.approx(psnr(data.images, y, 255), abs=1e-6)
+    # bytes per kept coefficient: float32 4, float16/bfloat16/int16 2, int8 1 (before zstd)
+    kept_values = data.images.size // 4
+    bound = {"float32": 4, "bfloat16": 2, "int16": 2, "int8": 1}[precision] * kept_values
+    assert a["stored_bytes"] < bound * 1.1 + 8192
+
+
+def test_ratio_8_within_5_percent(data, tmp_path):
+    out = tmp_path / "r8.zarr"
+    p = ok(run("compress", data.big_npy, out, "--ratio", "8", "--json"))
+    a = json.loads(p.stdout)["arrays"]["data"]
+    assert a["target"] == {"kind": "ratio", "value": 8.0}
+    on_disk = tree_bytes(out / "data") + tree_bytes(out / "dctchop_meta" / "data")
+    assert a["stored_bytes"] == on_disk
+    assert data.big.nbytes / on_disk == pytest.approx(8, rel=0.05)
+    y = decoded(out, "data")
+    assert a["psnr"] == pytest.approx(psnr(data.big, y, 255.0), abs=1e-6)
+
+
+def test_ratio_8_small_array_within_5_percent(data, tmp_path):
+    out = tmp_path / "r8s.zarr"
+    p = ok(run("compress", data.npy, out, "--ratio", "8", "--json", "--quiet"))
+    a = json.loads(p.stdout)["arrays"]["data"]
+    assert a["ratio"] == pytest.approx(8, rel=0.05)
+
+
+def test_psnr_45_every_chunk_in_inspect(data, psnr45):
+    line = layout_lines(psnr45.proc)["data"]
+    assert "layout NHWC, transformed axes [1, 2], chunks of 16" in line
+    p = ok(run("inspect", psnr45.store, "--json", "--chunks"))
+    report = json.loads(p.stdout)
+    a = report["arrays"]["data"]
+    assert a["target"] == {"kind": "psnr", "value": 45.0} and a["codec"]["precision"] == "int16"
+    table = a["chunk_table"]
+    assert len(table["psnr"]) == 4  # --chunk-samples 16 of 64
+    assert set(table) >= set(META_FIELDS)
+    assert min(table["psnr"]) >= 45 - PSNR_TOL
+    y = decoded(psnr45.store, "data")
+    mine = chunk_psnrs(data.images, y, 16)
+    np.testing.assert_allclose(table["psnr"], mine, atol=1e-6)
+    assert a["psnr_min"] == pytest.approx(min(mine), abs=1e-6)
+    assert a["psnr_mean"] == pytest.approx(np.mean(mine), abs=1e-6)
+    assert a["psnr_max"] == pytest.approx(max(mine), abs=1e-6)
+    assert a["psnr"] == pytest.approx(psnr(data.images, y, 255.0), abs=1e-6)
+    errs = [float(np.abs(y[s:s + 16].astype(int) - data.images[s:s + 16]).max()) for s in range(0, 64, 16)]
+    assert table["max_abs_error"] == errs and a["max_abs_error"] == max(errs)
+
+
+def test_workers_1_and_2_identical_and_quiet(data, psnr45, tmp_path):
+    out = tmp_path / "w1.zarr"
+    p = ok(run("compress", data.npy, out, "--psnr", "45", "--chunk-samples", "16", "--workers", "1",
+               "--precision", "int16", "--quiet"))
+    assert p.stdout == "" and p.stderr == ""
+    assert np.array_equal(decoded(out, "data"), decoded(psnr45.store, "data"))
+    g1, g2 = open_store(out), open_store(psnr45.store)
+    for key in META_FIELDS:
+        assert np.array_equal(g1[f"dctchop_meta/data/{key}"][:], g2[f"dctchop_meta/data/{key}"][:]), key
+    a1, a2 = g1.attrs["dctchop"]["arrays"]["data"], g2.attrs["dctchop"]["arrays"]["data"]
+    assert {k: v for k, v in a1.items()} == {k: v for k, v in a2.items()}
+    for f in (out / "data" / "c").rglob("*"):
+        if f.is_file():
+            assert f.read_bytes() == (psnr45.store / f.relative_to(out)).read_bytes()
+
+
+def test_two_targets_is_a_usage_error(data, tmp_path):
+    out = tmp_path / "x.zarr"
+    p = run("compress", data.npy, out, "--ratio", "8", "--psnr", "40")
+    assert p.returncode == 2, p.stderr
+    assert "at most one of --keep, --ratio, --psnr" in p.stderr and "Traceback" not in p.stderr
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+
+
+def test_ratio_with_float_precision_is_a_user_error(data, tmp_path):
+    out = tmp_path / "x.zarr"
+    user_error(run("compress", data.npy, out, "--ratio", "8", "--precision", "float16"),
+               "integer precision")
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+
+
+def test_chunk_samples_must_be_whole_blocks_along_transformed_axis_0(data, tmp_path):
+    out = tmp_path / "x.zarr"
+    user_error(run("compress", data.field_npy, out, "--chunk-samples", "5"), "--chunk-samples", "multiple")
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------------
+# output handling: overwrite, progress, atomicity
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_overwrite_refused_then_replaced_with_progress(data, psnr45, tmp_path):
+    out = tmp_path / "ow.zarr"
+    shutil.copytree(psnr45.store, out)
+    before = snapshot(out)
+    user_error(run("compress", data.npy, out, "--keep", "2"), "exists", "--overwrite")
+    assert snapshot(out) == before
+    p = ok(run("compress", data.npy, out, "--keep", "2", "--overwrite", "--progress"))
+    assert info_of(out)["arrays"]["data"]["target"] == {"kind": "keep", "value": [2]}
+    assert "compress: 100%|" in p.stderr and "197k/197k" in p.stderr  # the tqdm bar over input bytes
+    assert not leftovers(tmp_path, out.name)
+    assert sorted(os.listdir(tmp_path)) == ["ow.zarr"]
+
+
+def test_overwrite_regular_file_leaves_nothing_behind(data, tmp_path):
+    out = tmp_path / "ow.zarr"
+    out.write_text("not a store")
+    ok(run("compress", data.npy, out, "--keep", "4", "--overwrite", "--quiet"))
+    assert out.is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["ow.zarr"]
+
+
+def test_failed_compress_unreachable_ratio_leaves_nothing(data, tmp_path):
+    out = tmp_path / "fail.zarr"
+    user_error(run("compress", data.npy, out, "--ratio", "1e9"), "unreachable")
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+    assert os.listdir(tmp_path) == []
+
+
+def test_failed_compress_unsupported_dtype_leaves_nothing(tmp_path):
+    src = tmp_path / "ints.npy"
+    np.save(src, np.arange(8 * 16 * 16, dtype=np.int32).reshape(8, 16, 16))
+    out = tmp_path / "fail.zarr"
+    user_error(run("compress", src, out), "unsupported dtype int32")
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+
+
+def test_failed_overwrite_keeps_old_store(data, psnr45, tmp_path):
+    src = tmp_path / "nan.npy"
+    x = data.field.copy()
+    x[20, 3, 4] = np.nan
+    np.save(src, x)
+    out = tmp_path / "old.zarr"
+    shutil.copytree(psnr45.store, out)
+    before = snapshot(out)
+    user_error(run("compress", src, out, "--overwrite"), "NaN", "[20, 3, 4]")
+    assert snapshot(out) == before
+    assert not leftovers(tmp_path, out.name)
+
+
+def test_interrupt_leaves_no_output(data, tmp_path):
+    out = tmp_path / "sig.zarr"
+    proc = subprocess.Popen([str(DCTCHOP), "compress", str(data.big_npy), str(out), "--psnr", "60",
+                             "--workers", "1", "--chunk-samples", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # interrupt while chunks are being written into the temporary sibling
+    deadline = time.monotonic() + 60
+    while (not glob.glob(str(tmp_path / f".{out.name}.dctchop-tmp-*" / "data" / "c" / "*"))
+           and proc.poll() is None and time.monotonic() < deadline):
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("compress finished before the interrupt arrived")
+    assert proc.returncode == 130, err
+    assert "dctchop: interrupted" in err and "Traceback" not in err
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+
+
+# --------------------------------------------------------------------------------------------------------
+# inspect
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_inspect_human_with_chunks_and_verify(data, base):
+    p = ok(run("inspect", base.store, "--chunks", "--verify", data.h5))
+    out = p.stdout
+    assert out.startswith(f"store {base.store} (dctchop ")
+    assert f"from {data.h5})" in out.splitlines()[0]
+    assert "images: [64, 32, 32, 3] uint8, layout NHWC, axes [1, 2], chunks [16, 32, 32, 3]" in out
+    assert "extra/aux: [64, 16] float32, layout HW, axes [0, 1], chunks [16, 16]" in out
+    assert "target psnr 40.0; block [8, 8], keep [8, 8], mask square, precision int16" in out
+    a = base.summary["arrays"]["images"]
+    assert f"ratio {a['ratio']:.2f}" in out
+    assert f"PSNR {a['psnr']:.2f} dB (chunks min {a['psnr_min']:.2f}" in out
+    # the --chunks table: a header and one row per chunk, for each lossy array
+    assert out.count("chunk     psnr") == 2
+    rows = [line.split() for line in out.splitlines()
+            if line.strip()[:1].isdigit() and len(line.split()) == 6]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"] * 2
+    g = open_store(base.store)
+    order = [name for name in base.summary["arrays"]]  # arrays are reported in store order
+    assert out.index(f"\n{order[0]}: ") < out.index(f"\n{order[1]}: ")
+    for k, name in enumerate(order):
+        table = g[f"dctchop_meta/{name}/psnr"][:].ravel()
+        assert [float(r[1]) for r in rows[4 * k:4 * k + 4]] == pytest.approx(table.tolist(), abs=0.006)
+        errors = g[f"dctchop_meta/{name}/max_abs_error"][:].ravel()
+        assert [float(r[2]) for r in rows[4 * k:4 * k + 4]] == pytest.approx(errors.tolist(), rel=1e-3)
+        sizes = g[f"dctchop_meta/{name}/stored_bytes"][:].ravel()
+        assert [int(r[4]) for r in rows[4 * k:4 * k + 4]] == sizes.tolist()
+    for name in ("labels", "extra/ids", "extra/sub/t"):
+        assert f"\n{name}: " in out and "lossless" in out
+    assert "total: " in out
+    assert "verify images: 4 chunk(s) checked, ok" in out
+    assert "verify extra/aux: 4 chunk(s) checked, ok" in out
+
+
+def test_inspect_json_matches_recomputation(data, base):
+    p = ok(run("inspect", base.store, "--json", "--chunks"))
+    report = json.loads(p.stdout)
+    assert report["store"] == str(base.store)
+    assert report["source"] == {"path": str(data.h5), "kind": "hdf5"}
+    for name, x in (("images", data.images), ("extra/aux", data.aux)):
+        a = report["arrays"][name]
+        y = decoded(base.store, name)
+        assert a["shape"] == list(x.shape) and a["dtype"] == str(x.dtype)
+        assert a["axes"] == ([1, 2] if name == "images" else [0, 1])
+        assert a["target"]["kind"] == "psnr" and set(a["codec"]) >= {"block", "keep", "mask", "precision"}
+        on_disk = tree_bytes(base.store / name) + tree_bytes(base.store / "dctchop_meta" / name)
+        assert a["original_bytes"] == x.nbytes
+        assert a["stored_bytes"] == on_disk == base.summary["arrays"][name]["stored_bytes"]
+        assert a["ratio"] == pytest.approx(x.nbytes / on_disk)
+        mine = chunk_psnrs(x, y, 16)
+        assert a["psnr"] == pytest.approx(psnr(x, y, peak_of(x)), abs=1e-6)
+        assert a["psnr_min"] == pytest.approx(min(mine), abs=1e-6)
+        assert a["psnr_mean"] == pytest.approx(float(np.mean(mine)), abs=1e-6)
+        assert a["psnr_max"] == pytest.approx(max(mine), abs=1e-6)
+        assert a["max_abs_error"] == pytest.approx(float(np.abs(y.astype(np.float64) - x).max()), abs=1e-9)
+        assert a["chunk_table"]["psnr"] == pytest.approx(mine, abs=1e-6)
+        assert len(a["chunk_table"]["stored_bytes"]) == 4
+    assert set(report["lossless"]) == {"labels", "extra/ids", "extra/sub/t"}
+    assert report["lossless"]["labels"] == {"shape": [64], "dtype": "int64", "original_bytes": 512,
+                                            "stored_bytes": tree_bytes(base.store / "labels")}
+    t = report["totals"]
+    original = data.images.nbytes + data.aux.nbytes + data.labels.nbytes + data.ids.nbytes + data.times.nbytes
+    assert t["original_bytes"] == original
+    assert t["stored_bytes"] == tree_bytes(base.store)
+    assert t["ratio"] == pytest.approx(original / tree_bytes(base.store))
+
+
+def test_inspect_verify_float_json(data, field_store):
+    p = ok(run("inspect", field_store.store, "--json", "--verify", data.field_npy))
+    report = json.loads(p.stdout)
+    assert report["verify"] == {"data": {"chunks": 4, "mismatches": []}}
+    a = report["arrays"]["data"]
+    y = decoded(field_store.store, "data")
+    peak = float(data.field.max()) - float(data.field.min())  # float: max - min of the original
+    assert a["psnr"] == pytest.approx(psnr(data.field, y, peak), abs=1e-6)
+    assert a["psnr_min"] == pytest.approx(min(chunk_psnrs(data.field, y, 8)), abs=1e-6)
+    assert a["psnr_min"] >= 60 - PSNR_TOL
+
+
+def test_inspect_verify_fails_against_modified_source(data, base, tmp_path):
+    modified = tmp_path / "images.h5"
+    shutil.copy(data.h5, modified)
+    with h5py.File(modified, "r+") as f:
+        x = f["images"][20:22]
+        f["images"][20:22] = 255 - x  # chunk 1 only
+    p = run("inspect", base.store, "--verify", modified)
+    user_error(p, "verification failed")
+    assert "verify images: 4 chunk(s) checked, 1 mismatching chunk(s)" in p.stdout
+    assert "verify extra/aux: 4 chunk(s) checked, ok" in p.stdout
+
+
+def test_inspect_verify_detects_changed_lossless_array(data, base, tmp_path):
+    modified = tmp_path / "images.h5"
+    shutil.copy(data.h5, modified)
+    with h5py.File(modified, "r+") as f:
+        f["labels"][0] = f["labels"][0] + 1
+    p = run("inspect", base.store, "--verify", modified)
+    assert p.returncode == 1, p.stdout + p.stderr
+
+
+def test_inspect_verify_against_renamed_identical_npy(data, psnr45, tmp_path):
+    copy = tmp_path / "copy.npy"
+    shutil.copy(data.npy, copy)
+    p = run("inspect", psnr45.store, "--verify", copy)
+    assert p.returncode == 0, p.stderr
+    assert "verify data: 4 chunk(s) checked, ok" in p.stdout
+
+
+def test_inspect_human_with_exact_reconstruction(data, tmp_path):
+    out = tmp_path / "exact.zarr"
+    # uint8 data, all 64 coefficients kept in float32: decodes exactly (PSNR inf)
+    ok(run("compress", data.npy, out, "--keep", "8", "--precision", "float32", "--quiet"))
+    assert np.array_equal(decoded(out, "data"), data.images)
+    p = run("inspect", out)
+    assert p.returncode == 0, p.stderr
+    assert "PSNR inf dB" in p.stdout
+
+
+# --------------------------------------------------------------------------------------------------------
+# decompress
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_decompress_single_array_store_to_npy(psnr45, tmp_path):
+    out = tmp_path / "restored.npy"
+    p = ok(run("decompress", psnr45.store, out))
+    assert f"wrote data -> {out}" in p.stderr
+    y = np.load(out)
+    expected = decoded(psnr45.store, "data")
+    assert y.dtype == expected.dtype and np.array_equal(y, expected)
+    assert sorted(os.listdir(tmp_path)) == ["restored.npy"]
+
+
+def test_decompress_to_h5_restores_arrays_groups_attrs(data, base, tmp_path):
+    out = tmp_path / "restored.h5"
+    p = ok(run("decompress", base.store, out))
+    assert "wrote " in p.stderr and f"-> {out}" in p.stderr
+    with h5py.File(out, "r") as f, h5py.File(data.h5, "r") as src:
+        # lossy arrays: what zarr decodes; lossless ones: bit-exact copies of the source
+        for name in ("images", "extra/aux"):
+            assert f[name].dtype == src[name].dtype
+            assert np.array_equal(f[name][:], decoded(base.store, name))
+        for name in ("labels", "extra/ids", "extra/sub/t"):
+            assert f[name].dtype == src[name].dtype and f[name][:].tobytes() == src[name][:].tobytes()
+        assert "dctchop_meta" not in f and "dctchop" not in f.attrs
+
+        def objects(h):
+            found = {}
+            h.visititems(lambda n, o: found.__setitem__(n, type(o).__name__))
+            return found
+
+        assert objects(f) == objects(src)
+        for path in ["/", *objects(src)]:
+            want = {k: v for k, v in src[path].attrs.items() if k != "complex"}
+            got = dict(f[path].attrs)
+            assert set(got) == set(want), path
+            for k, value in want.items():
+                assert np.array_equal(np.asarray(got[k]), np.asarray(value)), (path, k)
+
+
+def test_decompress_multi_array_store_to_npy_is_an_error(base, tmp_path):
+    out = tmp_path / "x.npy"
+    user_error(run("decompress", base.store, out), "store holds 5 arrays", ".h5")
+    assert os.listdir(tmp_path) == []
+
+
+def test_decompress_h5_with_string_list_attribute(data, tmp_path):
+    src = tmp_path / "classes.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("images", data=data.images[:16])
+        f.create_dataset("labels", data=data.labels[:16]).attrs["class_names"] = ["cat", "dog", "emu"]
+    store = tmp_path / "classes.zarr"
+    ok(run("compress", src, store, "--keep", "4", "--quiet"))
+    out = tmp_path / "back.h5"
+    p = run("decompress", store, out)
+    assert p.returncode == 0, p.stderr
+    with h5py.File(out, "r") as f:
+        assert [s.decode() if isinstance(s, bytes) else s for s in f["labels"].attrs["class_names"]] == \
+            ["cat", "dog", "emu"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# further bugs found on the way
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_compress_with_an_all_black_chunk(data, tmp_path):
+    """A chunk equal to the fill value (blank frames) is still written and described (PSNR inf)."""
+    src = tmp_path / "black.npy"
+    x = data.images.copy()
+    x[:16] = 0
+    np.save(src, x)
+    out = tmp_path / "black.zarr"
+    p = ok(run("compress", src, out, "--chunk-samples", "16", "--json", "--quiet"))
+    a = json.loads(p.stdout)["arrays"]["data"]
+    assert a["psnr_max"] == "inf"  # JSON has no infinity: written as a string
+    y = decoded(out, "data")
+    assert np.array_equal(y[:16], x[:16])
+    g = open_store(out)
+    assert g["dctchop_meta/data/psnr"][0, 0, 0, 0] == np.inf
+    assert g["dctchop_meta/data/max_abs_error"][0, 0, 0, 0] == 0
+    assert (out / "data" / "c" / "0" / "0" / "0" / "0").is_file()
+    assert min(g["dctchop_meta/data/psnr"][:].ravel()) >= 40 - PSNR_TOL
+
+
+def test_default_psnr_target_met_on_flat_images(tmp_path):
+    """Rounding to integers does not average out on flat data (a constant gray frame): the target must
+    still hold for every chunk."""
+    src = tmp_path / "gray.npy"
+    np.save(src, np.full((8, 16, 16), 7, dtype=np.uint8))
+    out = tmp_path / "gray.zarr"
+    p = ok(run("compress", src, out, "--json", "--quiet"))
+    a = json.loads(p.stdout)["arrays"]["data"]
+    assert a["target"] == {"kind": "psnr", "value": 40.0}
+    assert a["psnr_min"] >= 40 - PSNR_TOL
+    assert psnr(np.load(src), decoded(out, "data"), 255.0) >= 40 - PSNR_TOL
+
+
+def test_compress_input_path_containing_nan(data, tmp_path):
+    d = tmp_path / "NaN_runs"
+    d.mkdir()
+    src = d / "field.npy"
+    shutil.copy(data.field_npy, src)
+    out = tmp_path / "f.zarr"
+    p = run("compress", src, out, "--keep", "4", "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert info_of(out)["source"]["path"] == str(src)
