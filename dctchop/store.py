@@ -20,7 +20,6 @@ crc32c, which are lossless and checked on read), so it describes what is on disk
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
