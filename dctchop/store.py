@@ -42,8 +42,8 @@ from dctchop._version import __version__
 from dctchop.codec import DTYPE_CODES, ChunkSettings, DctChopCodec, decode_chunk, encode_chunk, read_header
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.formats import Source, SourceArray
-from dctchop.layout import infer_axes
-from dctchop.transform import make_plan, resolve_threads
+from dctchop.layout import colour_axis, infer_axes
+from dctchop.transform import make_plan, per_axis, resolve_threads
 
 STORE_FORMAT = 1
 META_GROUP = "dctchop_meta"
@@ -107,6 +107,12 @@ class ArrayPlan:
         return DctChopCodec(**asdict(self.settings))
 
 
+def _with_axis(axes, block, keep, axis: int, length: int):
+    """Insert ``axis`` (block and keep ``length``) into sorted per-axis settings."""
+    merged = sorted([*zip(axes, block, keep), (axis, length, length)])
+    return tuple(tuple(v) for v in zip(*merged))
+
+
 def default_target(dtype) -> Target:
     """No option given: PSNR 40 dB for integer (image) data, 60 dB for floating-point (scientific) data."""
     return Target("psnr", DEFAULT_PSNR_INTEGER if np.dtype(dtype).kind in "iu" else DEFAULT_PSNR_FLOAT)
@@ -138,18 +144,22 @@ def plan_array(source: Source, array: SourceArray, options: CompressOptions) -> 
                            f"{', '.join(map(str, DTYPE_CODES))}")
     if 0 in array.shape:
         raise DctchopError(f"{name}: array is empty (shape {list(array.shape)})")
+    colour = None
     if options.axes is not None:
         axes, layout = tuple(options.axes), "custom"
     else:
         axes, layout = infer_axes(array.shape, array.dtype)
-    block = tuple(int(b) for b in np.broadcast_to(np.atleast_1d(options.block), (len(axes),)))
-    for a, b in zip(axes, block):
+        colour = colour_axis(array.shape, layout)
+    for a in axes:
         if array.shape[a] < 2:
             raise DctchopError(f"{name}: transformed axis {a} has length {array.shape[a]}; pick other --axes")
     target = options.target or default_target(array.dtype)
+    block = per_axis(options.block, len(axes), "--block")
+    keep = per_axis(target.value, len(axes), "--keep") if target.kind == "keep" else block
+    if colour is not None:  # the channel axis joins as one block, kept whole
+        axes, block, keep = _with_axis(axes, block, keep, colour, array.shape[colour])
     peak = qz.dtype_peak(array.dtype)
     if target.kind == "keep":
-        keep = tuple(int(k) for k in np.broadcast_to(np.atleast_1d(target.value), (len(axes),)))
         precision = options.precision or "float16"
         settings = ChunkSettings(axes, block, keep, options.mask, precision)
     else:

@@ -337,12 +337,12 @@ def make_plan(shape, axes, block=8, keep=4, mask="square") -> TransformPlan:
     if any(not -len(shape) <= a < len(shape) for a in axes):
         raise DctchopError(f"axes {list(axes)} are out of range for a {len(shape)}-d array")
     axes = tuple(a % len(shape) for a in axes)
-    block, keep = (_per_axis(v, len(axes), name) for v, name in ((block, "block"), (keep, "keep")))
+    block, keep = (per_axis(v, len(axes), name) for v, name in ((block, "block"), (keep, "keep")))
     _check_settings(shape, axes, block, keep, mask)
     return _plan(shape, axes, block, keep, mask)
 
 
-def _per_axis(value, n_axes: int, name: str) -> tuple[int, ...]:
+def per_axis(value, n_axes: int, name: str) -> tuple[int, ...]:
     """An int (same on every axis) or one int per transformed axis."""
     values = tuple(int(v) for v in np.atleast_1d(value))
     if len(values) == 1:

@@ -300,7 +300,7 @@ def test_command_help(command, options):
 def test_compress_h5_defaults_store_layout_and_summary(data, base):
     store, summary = base.store, base.summary
     # the inferred layout and axes (--json: in the summary; the printed line is checked on human output)
-    for name, (layout, axes, chunks) in {"images": ("NHWC", [1, 2], [16, 32, 32, 3]),
+    for name, (layout, axes, chunks) in {"images": ("NHWC", [1, 2, 3], [16, 32, 32, 3]),
                                          "extra/aux": ("HW", [0, 1], [16, 16])}.items():
         a = summary["arrays"][name]
         assert (a["layout"], a["axes"], a["chunks"]) == (layout, axes, chunks), name
@@ -377,7 +377,7 @@ def test_compress_h5_defaults_store_layout_and_summary(data, base):
     assert info["source"] == {"path": str(data.h5), "kind": "hdf5"}
     assert info["arrays"]["images"]["source"] == "/images"
     assert info["arrays"]["extra/aux"]["source"] == "/extra/aux"
-    assert info["arrays"]["images"]["codec"]["block"] == [8, 8]
+    assert info["arrays"]["images"]["codec"]["block"] == [8, 8, 3]  # RGB: the channel axis is one block
     assert info["arrays"]["images"]["codec"]["mask"] == "square"
     assert info["arrays"]["images"]["target"] == {"kind": "psnr", "value": 40.0}
     assert info["totals"]["original_bytes"] == summary["totals"]["original_bytes"]
@@ -410,11 +410,11 @@ def test_compress_layouts_nchw_nzyx_nhw(data, tmp_path):
     out = tmp_path / "multi.zarr"
     p = ok(run("compress", data.multi_h5, out))
     lines = layout_lines(p)
-    assert "[16, 3, 32, 32] uint8, layout NCHW, transformed axes [2, 3]" in lines["nchw"]
+    assert "[16, 3, 32, 32] uint8, layout NCHW, transformed axes [1, 2, 3]" in lines["nchw"]
     assert "[4, 16, 16, 16] float32, layout NZYX, transformed axes [1, 2, 3]" in lines["nzyx"]
     assert "[16, 32, 32] uint8, layout NHW, transformed axes [1, 2]" in lines["nhw"]
     info = info_of(out)
-    expect = {"nchw": ([2, 3], "NCHW", 40.0), "nzyx": ([1, 2, 3], "NZYX", 60.0), "nhw": ([1, 2], "NHW", 40.0)}
+    expect = {"nchw": ([1, 2, 3], "NCHW", 40.0), "nzyx": ([1, 2, 3], "NZYX", 60.0), "nhw": ([1, 2], "NHW", 40.0)}
     for name, (axes, layout, target) in expect.items():
         a = info["arrays"][name]
         assert (a["axes"], a["layout"], a["target"]["value"]) == (axes, layout, target)
@@ -473,7 +473,7 @@ def test_keep_4_is_the_chop_default_float16(data, tmp_path):
     p = ok(run("compress", data.npy, out, "--keep", "4", "--json"))
     a = json.loads(p.stdout)["arrays"]["data"]
     assert a["target"] == {"kind": "keep", "value": [4]}
-    assert a["codec"]["keep"] == [4, 4] and a["codec"]["block"] == [8, 8]
+    assert a["codec"]["keep"] == [4, 4, 3] and a["codec"]["block"] == [8, 8, 3]
     assert a["codec"]["precision"] == "float16" and a["codec"]["mask"] == "square"
     y = decoded(out, "data")
     expected = as_dtype(reference_chop(data.images, (1, 2), (8, 8), (4, 4)), np.uint8)
@@ -487,10 +487,11 @@ def test_keep_4_2_triangle_mask(data, tmp_path):
     p = ok(run("compress", data.npy, out, "--keep", "4,2", "--mask", "triangle", "--precision", "float16",
                "--json"))
     a = json.loads(p.stdout)["arrays"]["data"]
-    assert a["codec"]["keep"] == [4, 2] and a["codec"]["mask"] == "triangle"
+    assert a["codec"]["keep"] == [4, 2, 3] and a["codec"]["mask"] == "triangle"
     assert a["target"] == {"kind": "keep", "value": [4, 2]}
     y = decoded(out, "data")
-    expected = as_dtype(reference_chop(data.images, (1, 2), (8, 8), (4, 2), "triangle"), np.uint8)
+    # the triangle spans the colour axis too: colour-difference channels keep fewer frequencies than luma
+    expected = as_dtype(reference_chop(data.images, (1, 2, 3), (8, 8, 3), (4, 2, 3), "triangle"), np.uint8)
     diff = np.abs(y.astype(int) - expected)
     assert diff.max() <= 1 and np.mean(diff != 0) < 0.05  # float16 coefficients
     # square 4x2 keeps a superset of triangle 4,2: the triangle can only be worse
@@ -506,7 +507,7 @@ def test_keep_with_each_precision(data, tmp_path, precision, max_diff):
     p = ok(run("compress", data.npy, out, "--keep", "4", "--precision", precision, "--json", "--quiet"))
     assert p.stderr == ""
     a = json.loads(p.stdout)["arrays"]["data"]
-    assert a["codec"]["precision"] == precision and a["codec"]["keep"] == [4, 4]
+    assert a["codec"]["precision"] == precision and a["codec"]["keep"] == [4, 4, 3]
     y = decoded(out, "data")
     ref = as_dtype(reference_chop(data.images, (1, 2), (8, 8), (4, 4)), np.uint8)
     assert np.abs(y.astype(int) - ref).max() <= max_diff
@@ -539,7 +540,7 @@ def test_ratio_8_small_array_within_5_percent(data, tmp_path):
 
 def test_psnr_45_every_chunk_in_inspect(data, psnr45):
     line = layout_lines(psnr45.proc)["data"]
-    assert "layout NHWC, transformed axes [1, 2], chunks of 16" in line
+    assert "layout NHWC, transformed axes [1, 2, 3], chunks of 16" in line
     p = ok(run("inspect", psnr45.store, "--json", "--chunks"))
     report = json.loads(p.stdout)
     a = report["arrays"]["data"]
@@ -679,9 +680,9 @@ def test_inspect_human_with_chunks_and_verify(data, base):
     out = p.stdout
     assert out.startswith(f"store {base.store} (dctchop ")
     assert f"from {data.h5})" in out.splitlines()[0]
-    assert "images: [64, 32, 32, 3] uint8, layout NHWC, axes [1, 2], chunks [16, 32, 32, 3]" in out
+    assert "images: [64, 32, 32, 3] uint8, layout NHWC, axes [1, 2, 3], chunks [16, 32, 32, 3]" in out
     assert "extra/aux: [64, 16] float32, layout HW, axes [0, 1], chunks [16, 16]" in out
-    assert "target psnr 40.0; block [8, 8], keep [8, 8], mask square, precision int16" in out
+    assert "target psnr 40.0; block [8, 8, 3], keep [8, 8, 3], mask square, precision int16" in out
     a = base.summary["arrays"]["images"]
     assert f"ratio {a['ratio']:.2f}" in out
     assert f"PSNR {a['psnr']:.2f} dB (chunks min {a['psnr_min']:.2f}" in out
@@ -716,7 +717,7 @@ def test_inspect_json_matches_recomputation(data, base):
         a = report["arrays"][name]
         y = decoded(base.store, name)
         assert a["shape"] == list(x.shape) and a["dtype"] == str(x.dtype)
-        assert a["axes"] == ([1, 2] if name == "images" else [0, 1])
+        assert a["axes"] == ([1, 2, 3] if name == "images" else [0, 1])
         assert a["target"]["kind"] == "psnr" and set(a["codec"]) >= {"block", "keep", "mask", "precision"}
         on_disk = tree_bytes(base.store / name) + tree_bytes(base.store / "dctchop_meta" / name)
         assert a["original_bytes"] == x.nbytes

@@ -61,7 +61,7 @@ def test_metadata_matches_a_zarr_decode(tmp_path, h5_images):
         assert psnr[i] >= 35.0 - 0.01
     assert summary["arrays"]["images"]["psnr_min"] == pytest.approx(psnr.min())
     attrs = group.attrs["dctchop"]
-    assert attrs["arrays"]["images"]["axes"] == [1, 2] and attrs["lossless"] == ["labels"]
+    assert attrs["arrays"]["images"]["axes"] == [1, 2, 3] and attrs["lossless"] == ["labels"]
     json.dumps(attrs)
 
 
