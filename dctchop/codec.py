@@ -96,6 +96,17 @@ class ChunkSettings:
 
 def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> bytes:
     """Compress one chunk into a self-describing byte string."""
+    return _encode(x, settings, threads, reconstruct=False)[0]
+
+
+def encode_and_reconstruct(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> tuple[bytes, np.ndarray]:
+    """:func:`encode_chunk`, plus the array those bytes decode to (what :func:`decode_chunk` returns), for
+    callers that measure the error: a PSNR target has built it already."""
+    data, y = _encode(x, settings, threads, reconstruct=True)
+    return data, y
+
+
+def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, reconstruct: bool):
     native = x.dtype.newbyteorder("=")
     if native not in DTYPE_CODES:
         raise DctchopError(f"unsupported dtype {x.dtype}; supported: {', '.join(map(str, DTYPE_CODES))}")
@@ -112,24 +123,28 @@ def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> by
         step, target_sse = _step_for_psnr(x, values, maxabs, plan, settings, weights)
     steps = qz.choose_steps(maxabs, settings.precision, step, weights)
     stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
+    y = None
     if settings.target_psnr is not None:
         # The error model is exact in coefficient space; rounding and clipping integer outputs make the real
         # error differ slightly. Check the reconstruction itself and tighten the step until the target holds.
         rows = _counted_rows(x, plan.axes)
         finest = qz.choose_steps(maxabs, settings.precision)
-        for _ in range(PSNR_RETRIES):
+        for attempt in range(PSNR_RETRIES):
             y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
-            if _sse(x[rows], y[rows]) <= target_sse or np.all(steps <= finest):
+            met = qz.error_stats(x, y, rows)[0] <= target_sse
+            if met or np.all(steps <= finest) or attempt == PSNR_RETRIES - 1:
                 break
             step *= PSNR_RETRY_FACTOR
             steps = qz.choose_steps(maxabs, settings.precision, step, weights)
             stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
+    if reconstruct and y is None:
+        y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
     unit = settings.precision in ("float32", "bfloat16")
     if settings.precision in qz.INT_PRECISIONS:
         payload, flags = to_planes(stored, seg_starts), FLAG_BITPLANES
     else:
         payload, flags = stored.tobytes(), 0
-    return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size, flags) + payload
+    return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size, flags) + payload, y
 
 
 def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) -> tuple[float, float]:
@@ -158,20 +173,54 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) ->
     limits = maxabs / qz.QMAX[settings.precision] / (1.0 if weights is None else weights)
     finest = max(float(np.min(limits[maxabs > 0])), 1e-30) if np.any(maxabs > 0) else 1e-30
     coarsest = max(float(np.max(maxabs)) * 4, finest)
-    if sse(coarsest) <= model_sse:
-        return coarsest, target_sse
-    if sse(finest) > model_sse:
-        return finest, target_sse
-    # high-rate guess (error step**2 / 12 per stored value), then a bracket around it and bisection to 1%
+    goal = math.log(max(model_sse, 1e-300))
+
+    def log_sse(step: float) -> float:
+        return math.log(max(sse(step), 1e-300))
+
+    # Start from the high-rate guess (error step**2 / 12 per stored value), widen by 2x to a bracket
+    # [lo, hi] with sse(lo) <= budget < sse(hi), then refine by false position on (log step, log sse),
+    # where the curve is nearly a line of slope 2, alternating with bisection so the bracket always shrinks.
     guess = math.sqrt(12 * max(model_sse - dropped, 0.0) / max(values.size, 1))
-    lo, hi = min(max(guess / 2, finest), coarsest), min(max(guess * 2, finest), coarsest)
-    while lo > finest and sse(lo) > model_sse:
-        lo, hi = max(lo / 4, finest), lo
-    while hi < coarsest and sse(hi) <= model_sse:
-        lo, hi = hi, min(hi * 4, coarsest)
-    while hi / lo > 1.01:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if sse(mid) <= model_sse else (lo, mid)
+    step = min(max(guess, finest), coarsest)
+    f = log_sse(step)
+    lo = hi = None
+    if f <= goal:
+        lo, f_lo = step, f
+        while hi is None:
+            if lo >= coarsest:
+                return coarsest, target_sse
+            step = min(lo * 2, coarsest)
+            f = log_sse(step)
+            if f <= goal:
+                lo, f_lo = step, f
+            else:
+                hi, f_hi = step, f
+    else:
+        hi, f_hi = step, f
+        while lo is None:
+            if hi <= finest:
+                return finest, target_sse
+            step = max(hi / 2, finest)
+            f = log_sse(step)
+            if f > goal:
+                hi, f_hi = step, f
+            else:
+                lo, f_lo = step, f
+    for i in range(40):
+        if hi / lo <= 1.01 or f_lo >= goal + math.log(0.98):
+            break
+        if i % 2 == 0 and f_hi > f_lo:
+            t = (goal - f_lo) / (f_hi - f_lo)
+            step = math.exp(math.log(lo) + t * (math.log(hi) - math.log(lo)))
+            step = min(max(step, lo * 1.002), hi / 1.002)
+        else:
+            step = math.sqrt(lo * hi)
+        f = log_sse(step)
+        if f <= goal:
+            lo, f_lo = step, f
+        else:
+            hi, f_hi = step, f
     return lo, target_sse
 
 
@@ -183,11 +232,6 @@ def _counted_rows(x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
         return np.ones(x.shape[0], dtype=bool)
     rows = np.any(x.reshape(x.shape[0], -1) != 0, axis=1)
     return rows if rows.any() else np.ones(x.shape[0], dtype=bool)
-
-
-def _sse(x: np.ndarray, y: np.ndarray) -> float:
-    d = y.astype(np.float64) - x.astype(np.float64)
-    return float(np.sum(d * d))
 
 
 def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int) -> np.ndarray:

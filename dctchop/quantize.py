@@ -190,6 +190,29 @@ def expected_mse(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, n
     return total / n_total + (1.0 / 12.0 if integer_output else 0.0)
 
 
+@numba.njit(nogil=True, cache=True)
+def _error_stats(x, y, rows):  # pragma: no cover - compiled
+    sse = 0.0
+    worst = 0.0
+    for i in range(x.shape[0]):
+        if rows[i]:
+            for j in range(x.shape[1]):
+                d = np.float64(y[i, j]) - np.float64(x[i, j])
+                sse += d * d
+                worst = max(worst, abs(d))
+    return sse, worst
+
+
+def error_stats(x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None) -> tuple[float, float]:
+    """(sum of squared error, max abs error) of ``y`` against ``x`` over the samples (axis 0) in ``rows``."""
+    if x.dtype == np.float16:  # numba has no float16 arrays
+        x, y = x.astype(np.float32), y.astype(np.float32)
+    n = x.shape[0] if x.ndim else 1
+    rows = np.ones(n, dtype=np.bool_) if rows is None else rows
+    sse, worst = _error_stats(x.reshape(n, -1), y.reshape(n, -1), rows)
+    return float(sse), float(worst)
+
+
 def psnr(mse: float, peak: float) -> float:
     """20 log10(peak) - 10 log10(MSE); +inf for an exact reconstruction."""
     if mse <= 0:

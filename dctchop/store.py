@@ -39,7 +39,14 @@ from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
 from dctchop import quantize as qz
 from dctchop._version import __version__
-from dctchop.codec import DTYPE_CODES, ChunkSettings, DctChopCodec, decode_chunk, encode_chunk, read_header
+from dctchop.codec import (
+    DTYPE_CODES,
+    ChunkSettings,
+    DctChopCodec,
+    encode_and_reconstruct,
+    encode_chunk,
+    read_header,
+)
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.formats import Source, SourceArray
 from dctchop.layout import colour_axis, infer_axes
@@ -353,9 +360,10 @@ def chunk_problems(root: Path, name: str, shape, chunks) -> list[dict]:
 
 
 def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, float, float]:
-    diff = y.astype(np.float64) - x.astype(np.float64)
-    mse = float(np.mean(diff * diff)) if diff.size else 0.0
-    return qz.psnr(mse, peak), float(np.max(np.abs(diff))) if diff.size else 0.0, math.sqrt(mse)
+    """(PSNR, max abs error, RMSE) of a decoded chunk."""
+    sse, worst = qz.error_stats(x, y)
+    mse = sse / x.size if x.size else 0.0
+    return qz.psnr(mse, peak), worst, math.sqrt(mse)
 
 
 def _metadata_bytes(root: Path, plan: ArrayPlan) -> int:
@@ -391,8 +399,8 @@ def encode_chunk_task(plan: ArrayPlan, root: str, i: int, start: int, stop: int)
     src = plan.source
     x = src.read(start, stop)
     chunk = _pad_to_chunk(x, plan.chunks)
-    data = encode_chunk(chunk, plan.settings)
-    y = decode_chunk(data, chunk.shape, chunk.dtype)[: stop - start]
+    data, y = encode_and_reconstruct(chunk, plan.settings)
+    y = y[: stop - start]
     psnr, max_err, rmse = _chunk_metrics(x, y, plan.peak)
     target = plan.settings.target_psnr
     if target is not None and psnr < target - PSNR_TOLERANCE_DB:
