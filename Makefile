@@ -9,7 +9,7 @@ VENV312 := .venv312
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e ".[test,torch,dask]"
+	$(VENV)/bin/python -m pip install -q -e ".[test,torch,dask,plot]"
 	touch $@
 
 $(VENV312)/.installed: pyproject.toml

@@ -14,14 +14,11 @@ import traceback
 import click
 
 from dctchop._version import __version__
+from dctchop.cli.common import CONTEXT, PSNR_HELP, fmt_db, fmt_mb
+from dctchop.cli.pictures import preview, sweep
 from dctchop.errors import DctchopError
 
 EXIT_USER, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 3, 130
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-PSNR_HELP = ("PSNR = 20 log10(peak) - 10 log10(MSE); peak = the dtype's range for integer data (255 for uint8), "
-             "max - min of the original array for floating-point data.")
-
-
 def _int_list(text: str | None, option: str) -> tuple[int, ...] | None:
     if text is None:
         return None
@@ -33,14 +30,6 @@ def _int_list(text: str | None, option: str) -> tuple[int, ...] | None:
     if not values:
         raise click.BadParameter("empty value", param_hint=option)
     return values
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.2f} MB"
-
-
-def _db(v: float) -> str:
-    return "inf" if v == float("inf") else f"{v:.2f}"
 
 
 class _Progress:
@@ -76,6 +65,10 @@ def cli(ctx: click.Context, debug: bool) -> None:
     dctchop decompress images.zarr restored.h5
     """
     ctx.obj = {"debug": debug}
+
+
+cli.add_command(preview)
+cli.add_command(sweep)
 
 
 @cli.command(context_settings=CONTEXT, epilog=PSNR_HELP)
@@ -145,8 +138,8 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
         for name, a in summary["arrays"].items():
             click.echo(f"{name}: {a['shape']} {a['dtype']}, layout {a['layout']}, transformed axes {a['axes']}, "
                        f"chunks of {a['chunks'][0]}")
-            click.echo(f"  {_mb(a['original_bytes'])} -> {_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}, "
-                       f"PSNR {_db(a['psnr'])} dB (chunks min {_db(a['psnr_min'])}, mean {_db(a['psnr_mean'])}), "
+            click.echo(f"  {fmt_mb(a['original_bytes'])} -> {fmt_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}, "
+                       f"PSNR {fmt_db(a['psnr'])} dB (chunks min {fmt_db(a['psnr_min'])}, mean {fmt_db(a['psnr_mean'])}), "
                        f"max abs error {a['max_abs_error']:.4g}")
         t = summary["totals"]
         click.echo(f"done in {t['seconds']:.2f} s, {t['mb_per_s']:.1f} MB/s -> {output}")
@@ -186,22 +179,22 @@ def _print_report(report: dict, show_chunks: bool) -> None:
                    f"chunks {a['chunks']}")
         click.echo(f"  target {a['target']['kind']} {a['target']['value']}; block {codec['block']}, keep "
                    f"{codec['keep']}, mask {codec['mask']}, precision {codec['precision']}")
-        click.echo(f"  {_mb(a['original_bytes'])} -> {_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}")
-        click.echo(f"  PSNR {_db(a['psnr'])} dB (chunks min {_db(a['psnr_min'])}, mean {_db(a['psnr_mean'])}, "
-                   f"max {_db(a['psnr_max'])}), max abs error {a['max_abs_error']:.4g}")
+        click.echo(f"  {fmt_mb(a['original_bytes'])} -> {fmt_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}")
+        click.echo(f"  PSNR {fmt_db(a['psnr'])} dB (chunks min {fmt_db(a['psnr_min'])}, mean {fmt_db(a['psnr_mean'])}, "
+                   f"max {fmt_db(a['psnr_max'])}), max abs error {a['max_abs_error']:.4g}")
         for d in a["damaged_chunks"]:
             click.echo(f"  DAMAGED chunk {d['chunk']}: {d['problem']}")
         if show_chunks:
             t = a["chunk_table"]
             click.echo(f"  {'chunk':>6} {'psnr':>8} {'max_err':>10} {'rmse':>10} {'bytes':>10} {'step':>10}")
             for i in range(len(t["psnr"])):
-                click.echo(f"  {i:>6} {_db(t['psnr'][i]):>8} {t['max_abs_error'][i]:>10.4g} {t['rmse'][i]:>10.4g} "
+                click.echo(f"  {i:>6} {fmt_db(t['psnr'][i]):>8} {t['max_abs_error'][i]:>10.4g} {t['rmse'][i]:>10.4g} "
                            f"{t['stored_bytes'][i]:>10} {t['step'][i]:>10.4g}")
     for name, a in report["lossless"].items():
-        click.echo(f"\n{name}: {a['shape']} {a['dtype']}, lossless, {_mb(a['original_bytes'])} -> "
-                   f"{_mb(a['stored_bytes'])}")
+        click.echo(f"\n{name}: {a['shape']} {a['dtype']}, lossless, {fmt_mb(a['original_bytes'])} -> "
+                   f"{fmt_mb(a['stored_bytes'])}")
     t = report["totals"]
-    click.echo(f"\ntotal: {_mb(t['original_bytes'])} -> {_mb(t['stored_bytes'])} on disk, ratio {t['ratio']:.2f}")
+    click.echo(f"\ntotal: {fmt_mb(t['original_bytes'])} -> {fmt_mb(t['stored_bytes'])} on disk, ratio {t['ratio']:.2f}")
     if "verify" in report:
         for name, v in report["verify"].items():
             state = "ok" if not v["mismatches"] else f"{len(v['mismatches'])} mismatching chunk(s)"
@@ -244,3 +237,4 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         click.echo(f"dctchop: internal error: {type(e).__name__}: {e}", err=True)
         sys.exit(EXIT_INTERNAL)
+

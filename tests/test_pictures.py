@@ -1,0 +1,355 @@
+"""``dctchop preview`` and ``dctchop sweep`` (issue #7): pictures of a store, rate-distortion sweep.
+
+The commands run as subprocesses of the installed ``dctchop`` on the bundled sample data. PNGs are checked
+with the standard library only: signature, every chunk's CRC, the IHDR size against the documented figure
+size, and the decompressed IDAT length. PSNR values printed by ``preview`` are recomputed from the source
+and a plain ``zarr`` decode with the documented definition (peak = the dtype's range for integer data,
+max - min of the original array for floating-point data). The recommended ``dctchop compress`` line is run
+and the store it makes is checked against the target.
+
+Drawing needs matplotlib (the ``plot`` extra): those tests are skipped without it; the message users get
+without it is tested in every environment by hiding matplotlib in a subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shlex
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+
+from dctchop.preview import DEFAULT_SAMPLES, HEADER_PX, ROW_PX, WIDTH_PX, check_indices, make_view
+from dctchop.sweep import PLOT_HEIGHT_PX, PLOT_WIDTH_PX, Setting, compress_command, pareto, recommend
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGES = ROOT / "sample_data" / "images.h5"
+FIELD = ROOT / "sample_data" / "field.npy"
+DCTCHOP = Path(sys.executable).parent / "dctchop"
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+needs_mpl = pytest.mark.skipif(not HAVE_MPL, reason="matplotlib (the plot extra) is not installed")
+
+
+def run(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(DCTCHOP), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p
+
+
+def fails(p: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    assert p.returncode == code, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    err = p.stderr.strip()
+    assert "Traceback" not in p.stderr
+    for w in words:
+        assert w in err, f"{w!r} not in {err!r}"
+    return err
+
+
+def in_process(capsys, *args) -> subprocess.CompletedProcess:
+    """The CLI run in this process (``main`` as the executable calls it): for the error cases, which need
+    no fresh interpreter; returns what a subprocess run would."""
+    from dctchop.cli.main import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+        sys.exit(0)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, e.value.code or 0, out, err)
+
+
+def png_info(path: Path) -> tuple[int, int]:
+    """(width, height) of a well-formed 8-bit RGB/RGBA PNG: signature, chunk CRCs, IHDR, IDAT size, IEND."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    pos, chunks = 8, []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, f"bad CRC in {kind!r}"
+        chunks.append((kind, body))
+        pos += 12 + length
+    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
+    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
+    assert depth == 8 and colour in (2, 6) and interlace == 0
+    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
+    assert len(raw) == height * (1 + width * (3 if colour == 2 else 4))
+    return width, height
+
+
+def preview_psnr(source: np.ndarray, decoded: np.ndarray, peak: float) -> float:
+    d = decoded.astype(np.float64) - source.astype(np.float64)
+    return 20 * math.log10(peak) - 10 * math.log10(float(np.mean(d * d)))
+
+
+def printed_psnr(stdout: str) -> dict[int, float]:
+    """``images[12]: PSNR 39.94 dB, ...`` lines -> {12: 39.94}."""
+    out = {}
+    for line in stdout.splitlines():
+        if ": PSNR " in line:
+            head, rest = line.split(": PSNR ", 1)
+            out[int(head.split("[")[1].rstrip("]"))] = float(rest.split()[0])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# stores shared by the tests (each CLI call costs a second or two of start-up)
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pictures")
+    shutil.copy(IMAGES, d / "copy.h5")
+    ok(run("compress", d / "copy.h5", d / "images.zarr", "--ratio", "10", "--chunk-samples", "320", "-q"))
+    (d / "copy.h5").unlink()  # the recorded source is gone: preview needs --source
+    ok(run("compress", FIELD, d / "field.zarr", "-q"))
+    return d
+
+
+# --------------------------------------------------------------------------------------------------------
+# preview
+# --------------------------------------------------------------------------------------------------------
+
+
+@needs_mpl
+def test_preview_images_source_override_default_indices(stores, tmp_path):
+    out = tmp_path / "images.png"
+    err = fails(run("preview", stores / "images.zarr", "--out", out), 1, "copy.h5", "does not exist",
+                "--source")
+    assert not out.exists(), err
+    p = ok(run("preview", stores / "images.zarr", "--out", out, "--source", IMAGES))
+    assert png_info(out) == (WIDTH_PX, HEADER_PX + ROW_PX * DEFAULT_SAMPLES) == (1024, 72 + 4 * 256)
+    psnr = printed_psnr(p.stdout)
+    assert list(psnr) == [0, 426, 853, 1279]
+    x = h5py.File(IMAGES)["images"]
+    y = zarr.open(str(stores / "images.zarr"), mode="r")["images"]
+    for i, value in psnr.items():
+        assert value == pytest.approx(preview_psnr(x[i], y[i], 255.0), abs=0.006)
+    assert f"wrote {out} (1024x1096 px)" in p.stdout
+
+
+@needs_mpl
+def test_preview_index_and_field(stores, tmp_path):
+    out = tmp_path / "two.png"
+    p = ok(run("preview", stores / "images.zarr", "--out", out, "--source", IMAGES, "--index", "5",
+               "--index", "-1"))
+    assert list(printed_psnr(p.stdout)) == [5, 1279]
+    assert png_info(out) == (1024, 72 + 2 * 256)
+
+    out = tmp_path / "field.png"
+    p = ok(run("preview", stores / "field.zarr", "--out", out))  # source recorded in the store
+    assert png_info(out) == (1024, 72 + 256)
+    (value,) = printed_psnr(p.stdout).values()
+    x = np.load(FIELD)
+    y = zarr.open(str(stores / "field.zarr"), mode="r")["data"][...]
+    assert value == pytest.approx(preview_psnr(x, y, float(x.max() - x.min())), abs=0.006)
+
+
+@needs_mpl
+def test_preview_errors(stores, tmp_path, capsys):
+    def cli(*args):
+        return in_process(capsys, "preview", *args)
+
+    plain = tmp_path / "plain.zarr"
+    zarr.open_group(str(plain), mode="w").create_array("a", shape=(4, 4), dtype="f4")
+    fails(cli(plain, "--out", tmp_path / "a.png"), 1, "not a dctchop store")
+    fails(cli(tmp_path / "missing.zarr", "--out", tmp_path / "a.png"), 1, "does not exist")
+    fails(cli(stores / "field.zarr", "--out", tmp_path / "a.png", "--index", "1"), 1,
+          "--index 1 is out of range", "1 sample")
+    fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--source", IMAGES, "--index", "1280"), 1,
+          "--index 1280 is out of range", "1280 samples (indices 0..1279)")
+    fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--source", FIELD), 1, "no array", "--source")
+    fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--array", "labels"), 1,
+          "no compressed array 'labels'")
+    fails(cli(stores / "field.zarr", "--out", tmp_path / "a.jpg"), 1, ".png")
+    fails(cli(stores / "field.zarr", "--out", tmp_path / "no" / "a.png"), 1, "does not exist")
+    fails(cli(stores / "field.zarr"), 2, "--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.zarr"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# sweep
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_pareto(settings: list[dict]) -> None:
+    live = [p for p in settings if p["reachable"]]
+    for p in settings:
+        beaten = any(q["ratio"] >= p["ratio"] and q["psnr"] >= p["psnr"]
+                     and (q["ratio"] > p["ratio"] or q["psnr"] > p["psnr"]) for q in live)
+        assert p["pareto"] == (p["reachable"] and not beaten), p["name"]
+
+
+def as_float(v) -> float:
+    return float(v) if not isinstance(v, str) else float(v.replace("inf", "Infinity"))
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib (the plot extra) is not installed")
+def test_sweep_json_target_ratio_and_plot(tmp_path):
+    plot = tmp_path / "rd.png"
+    p = ok(run("sweep", IMAGES, "--sample", "64", "--json", "--target-ratio", "6", "--plot", plot))
+    r = json.loads(p.stdout)
+    assert r["array"] == "/images" and r["layout"] == "NHWC" and r["axes"][:2] == [1, 2]
+    assert r["sample"]["count"] == 64 and r["sample"]["mode"] == "evenly spaced"
+    assert r["sample"]["indices"][0] == 0 and r["sample"]["indices"][-1] == 1279
+    settings = r["settings"]
+    for s in settings:
+        s["psnr"] = as_float(s["psnr"])
+    assert len(settings) == 4 * 2 * 2 + 5 * 2 + 2 and not r["skipped"]
+    names = {s["name"] for s in settings}
+    assert "--keep 4 --mask triangle --precision float16" in names
+    assert "--psnr 40 --precision int8 --block 8" in names and "--psnr 40 --precision int16 --block 16" in names
+    for s in settings:
+        assert s["ratio"] > 0 and s["decode_mb_per_s"] > 0 and s["stored_bytes"] > 0
+        assert s["ratio"] == pytest.approx(r["sample"]["bytes"] / s["stored_bytes"])
+        if s["target_psnr"] is not None and s["reachable"]:
+            assert s["psnr"] >= s["target_psnr"] - 0.01
+    check_pareto(settings)
+    assert any(s["pareto"] for s in settings)
+    rec = r["recommendation"]
+    assert rec["target"] == {"kind": "ratio", "value": 6.0, "given": True}
+    qualifying = [s for s in settings if s["reachable"] and s["ratio"] >= 6 * 0.95]
+    chosen = settings[rec["index"]]
+    assert chosen["psnr"] == max(s["psnr"] for s in qualifying)
+    assert rec["command"] == f"dctchop compress {IMAGES} images.zarr {chosen['name']}"
+    assert png_info(plot) == (PLOT_WIDTH_PX, PLOT_HEIGHT_PX) == (1024, 768)
+    assert r["plot"] == {"path": str(plot), "width": 1024, "height": 768}
+
+
+def test_sweep_text_target_psnr_runs_the_recommendation(tmp_path):
+    p = ok(run("sweep", FIELD, "--target-psnr", "55"))
+    lines = p.stdout.splitlines()
+    assert "field: 64x64x64 float32, layout ZYX, transformed axes [0, 1, 2]" in lines[0]
+    assert "64 of 64 (planes 0..63)" in lines[1]
+    rows = [ln for ln in lines if ln.startswith("  --")]
+    assert len(rows) == 28 and any(ln.endswith(" *") for ln in rows)
+    assert any("--psnr 80 --precision int16 --block 8" in ln for ln in rows)
+    i = lines.index(next(ln for ln in lines if ln.startswith("recommended for PSNR >= 55 dB")))
+    ratio = float(lines[i].split("ratio ")[1].split(",")[0])
+    command = shlex.split(lines[i + 1])
+    assert command[:4] == ["dctchop", "compress", str(FIELD), "field.zarr"]
+    store = tmp_path / "rec.zarr"
+    s = json.loads(ok(run(command[1], command[2], store, *command[4:], "--json")).stdout)["arrays"]["data"]
+    assert as_float(s["psnr_min"]) >= 55
+    assert s["ratio"] == pytest.approx(ratio, rel=0.05)  # the whole array (plus metadata) vs its sweep
+
+
+def test_sweep_unreachable_target_and_usage(capsys):
+    def cli(*args):
+        return in_process(capsys, "sweep", *args)
+
+    p = cli(IMAGES, "--sample", "16", "--target-ratio", "1000", "--json")
+    fails(p, 1, "no setting reaches ratio 1000")
+    r = json.loads(p.stdout)  # the sweep is still printed
+    assert r["sample"]["count"] == 16 and len(r["settings"]) == 28
+    assert r["recommendation"]["command"] is None and r["recommendation"]["index"] is None
+    fails(cli(IMAGES, "--target-ratio", "5", "--target-psnr", "40"), 2, "at most one")
+    fails(cli(IMAGES, "--dataset", "/nope"), 1, "/nope")
+    fails(cli(IMAGES, "--sample", "0"), 1, "--sample must be at least 1")
+    fails(cli(IMAGES, "--plot", "rd.svg"), 1, ".png")
+
+
+def test_without_matplotlib_the_commands_name_the_extra(stores, tmp_path):
+    """matplotlib hidden (``sys.modules['matplotlib'] = None``): preview and sweep --plot say which extra to
+    install and exit 1; sweep without --plot still works."""
+    script = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from dctchop.cli.main import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit as e:\n"
+        "    sys.exit(e.code)\n"
+    )
+    message = "needs matplotlib: pip install 'dctchop[plot]'"
+
+    def hidden(*args):
+        return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                              timeout=120, check=False)
+
+    err = fails(hidden("preview", stores / "field.zarr", "--out", tmp_path / "p.png"), 1, message)
+    assert err == f"dctchop: error: dctchop preview {message}"
+    fails(hidden("sweep", FIELD, "--sample", "8", "--plot", tmp_path / "rd.png"), 1, message)
+    assert not list(tmp_path.iterdir())
+    p = hidden("sweep", FIELD, "--sample", "8", "--json")
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["settings"]) == 28
+
+
+def test_the_command_module_imports_on_its_own():
+    """cli/main.py imports cli/pictures.py at its end; importing pictures first must work too."""
+    p = subprocess.run([sys.executable, "-c", "import dctchop.cli.pictures as p; print(p.sweep.name)"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0 and p.stdout.strip() == "sweep", p.stderr
+
+
+# --------------------------------------------------------------------------------------------------------
+# library pieces
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,axes,layout,kind,sample,picture,rgb,fixed", [
+    ((10, 32, 32, 3), (1, 2), "NHWC", "image", 0, (1, 2), 3, {}),
+    ((10, 3, 32, 32), (2, 3), "NCHW", "image", 0, (2, 3), 1, {}),
+    ((10, 32, 32, 3), (1, 2, 3), "NHWC", "image", 0, (1, 2), 3, {}),  # colour transformed as one block
+    ((10, 3, 32, 32), (1, 2, 3), "NCHW", "image", 0, (2, 3), 1, {}),
+    ((32, 32, 3), (0, 1, 2), "HWC", "image", None, (0, 1), 2, {}),
+    ((10, 1, 32, 32), (2, 3), "NCHW", "image", 0, (2, 3), None, {1: 0}),
+    ((10, 32, 32), (1, 2), "NHW", "image", 0, (1, 2), None, {}),
+    ((64, 64, 64), (0, 1, 2), "ZYX", "field", None, (1, 2), None, {0: 32}),
+    ((4, 16, 20, 24), (1, 2, 3), "NZYX", "field", 0, (2, 3), None, {1: 8}),
+    ((4, 3, 16, 20, 24), (2, 3, 4), "NCZYX", "field", 0, (3, 4), None, {1: 0, 2: 8}),
+    ((4, 16, 20, 24, 3), (1, 2, 3), "NZYXC", "field", 0, (2, 3), None, {1: 8, 4: 0}),
+    ((40, 50), (0, 1), "HW", "field", None, (0, 1), None, {}),
+    ((64, 64, 5), (1,), "custom", "field", 0, (1, 2), None, {}),
+])
+def test_views(shape, axes, layout, kind, sample, picture, rgb, fixed):
+    v = make_view(shape, axes, layout)
+    assert (v.kind, v.sample_axis, v.picture, v.rgb_axis, v.fixed) == (kind, sample, picture, rgb, fixed)
+
+
+def test_indices():
+    assert check_indices([], 1280, "a") == [0, 426, 853, 1279]
+    assert check_indices(None, 2, "a") == [0, 1]
+    assert check_indices([3, -1], 10, "a") == [3, 9]
+
+
+def _point(name, ratio, psnr, reachable=True):
+    return {"name": name, "options": name.split(), "ratio": ratio, "psnr": psnr, "reachable": reachable}
+
+
+def test_pareto_and_recommend():
+    pts = [_point("--a 1", 2.0, 40.0), _point("--b 1", 4.0, 35.0), _point("--c 1", 3.0, 34.0),
+           _point("--d 1", 9.0, 50.0, reachable=False), _point("--e 1", 2.0, 40.0), _point("--f 1", 5.8, 30.0)]
+    pareto(pts)
+    assert [p["pareto"] for p in pts] == [True, True, False, False, True, True]
+    result = {"input": "in put.h5", "dtype": "uint8", "settings": pts}
+    r = recommend(result, target_ratio=6)  # 5.8 is within 5% of 6
+    assert (r["index"], r["command"]) == (5, "dctchop compress 'in put.h5' 'in put.zarr' --f 1")
+    assert recommend(result, target_ratio=3.5)["index"] == 1
+    assert recommend(result, target_psnr=36)["index"] == 0  # ties on ratio: the first
+    assert recommend(result)["target"] == {"kind": "psnr", "value": 40.0, "given": False}
+    none = recommend(result, target_psnr=45)
+    assert none["command"] is None and "no setting reaches PSNR 45 dB" in none["reason"]
+    assert compress_command("x.npy", ["--keep", "4"], axes_text="1,2") == "dctchop compress x.npy x.zarr --axes 1,2 --keep 4"
+
+
+def test_setting_options():
+    assert Setting("keep", 8, "float16", keep=4, mask="triangle").options == [
+        "--keep", "4", "--mask", "triangle", "--precision", "float16"]
+    assert Setting("psnr", 16, "int8", psnr=40.0).options == ["--psnr", "40", "--precision", "int8", "--block", "16"]
