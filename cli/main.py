@@ -153,7 +153,7 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
               help="Decode everything and recompute PSNR and max error against SOURCE; exit 1 on a mismatch.")
 def inspect(store, as_json, show_chunks, verify_source):
     """Report shape, settings, sizes, ratio, PSNR and max error of each array in STORE."""
-    from dctchop.inspect import inspect_store, verify_store
+    from dctchop.inspect import describe_damage, inspect_store, verify_store
     from dctchop.store import json_safe
 
     report = inspect_store(store, chunks=show_chunks)
@@ -163,9 +163,9 @@ def inspect(store, as_json, show_chunks, verify_source):
         click.echo(json.dumps(json_safe(report), indent=2))
     else:
         _print_report(report, show_chunks)
-    damaged = {k: len(a["damaged_chunks"]) for k, a in report["arrays"].items() if a["damaged_chunks"]}
+    damaged = {k: a["damaged_chunks"] for k, a in report["arrays"].items() if a["damaged_chunks"]}
     if damaged:
-        raise DctchopError(f"damaged chunks: {damaged}")
+        raise DctchopError(f"damaged store: {describe_damage(store, damaged)}")
     if verify_source and any(v["mismatches"] for v in report["verify"].values()):
         bad = {k: len(v["mismatches"]) for k, v in report["verify"].items() if v["mismatches"]}
         raise DctchopError(f"verification failed: {bad} chunk(s) differ from the stored metadata")
@@ -183,8 +183,8 @@ def _print_report(report: dict, show_chunks: bool) -> None:
         click.echo(f"  PSNR {fmt_db(a['psnr'])} dB (chunks min {fmt_db(a['psnr_min'])}, mean {fmt_db(a['psnr_mean'])}, "
                    f"max {fmt_db(a['psnr_max'])}), max abs error {a['max_abs_error']:.4g}")
         for d in a["damaged_chunks"]:
-            click.echo(f"  DAMAGED chunk {d['chunk']}: {d['problem']}")
-        if show_chunks:
+            click.echo(f"  DAMAGED{'' if d['chunk'] is None else ' chunk ' + str(d['chunk'])}: {d['problem']}")
+        if show_chunks and "chunk_table" in a:
             t = a["chunk_table"]
             click.echo(f"  {'chunk':>6} {'psnr':>8} {'max_err':>10} {'rmse':>10} {'bytes':>10} {'step':>10}")
             for i in range(len(t["psnr"])):

@@ -99,14 +99,17 @@ def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> by
     return _encode(x, settings, threads, reconstruct=False)[0]
 
 
-def encode_and_reconstruct(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> tuple[bytes, np.ndarray]:
+def encode_and_reconstruct(x: np.ndarray, settings: ChunkSettings, threads: int = 1,
+                           valid_rows: int | None = None) -> tuple[bytes, np.ndarray]:
     """:func:`encode_chunk`, plus the array those bytes decode to (what :func:`decode_chunk` returns), for
-    callers that measure the error: a PSNR target has built it already."""
-    data, y = _encode(x, settings, threads, reconstruct=True)
+    callers that measure the error: a PSNR target has built it already. ``valid_rows``: only the first rows
+    along axis 0 are data (the rest pads a partial chunk), so a PSNR target is measured on those."""
+    data, y = _encode(x, settings, threads, reconstruct=True, valid_rows=valid_rows)
     return data, y
 
 
-def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, reconstruct: bool):
+def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, reconstruct: bool,
+            valid_rows: int | None = None):
     native = x.dtype.newbyteorder("=")
     if native not in DTYPE_CODES:
         raise DctchopError(f"unsupported dtype {x.dtype}; supported: {', '.join(map(str, DTYPE_CODES))}")
@@ -120,14 +123,14 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, reconstruct: b
         raise DctchopError(f"weights need one value per band ({len(plan.bands)}), got {weights.size}")
     step = settings.step
     if settings.target_psnr is not None:
-        step, target_sse = _step_for_psnr(x, values, maxabs, plan, settings, weights)
+        rows = _counted_rows(x, plan.axes, valid_rows)
+        step, target_sse = _step_for_psnr(x, values, maxabs, plan, settings, weights, rows)
     steps = qz.choose_steps(maxabs, settings.precision, step, weights)
     stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
     y = None
     if settings.target_psnr is not None:
         # The error model is exact in coefficient space; rounding and clipping integer outputs make the real
         # error differ slightly. Check the reconstruction itself and tighten the step until the target holds.
-        rows = _counted_rows(x, plan.axes)
         finest = qz.choose_steps(maxabs, settings.precision)
         for attempt in range(PSNR_RETRIES):
             y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
@@ -147,7 +150,7 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, reconstruct: b
     return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size, flags) + payload, y
 
 
-def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) -> tuple[float, float]:
+def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, rows) -> tuple[float, float]:
     """(step, target SSE): the largest base step whose modelled error meets the chunk's PSNR target
     (bisection in log space), and the squared-error budget the reconstruction must stay within.
 
@@ -158,7 +161,7 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) ->
     if peak is None:
         finite = x.astype(np.float64)
         peak = float(finite.max() - finite.min()) if x.size else 0.0
-    n = int(np.count_nonzero(_counted_rows(x, plan.axes))) * (x.size // max(x.shape[0], 1))
+    n = int(np.count_nonzero(rows)) * (x.size // max(x.shape[0], 1))
     integer = x.dtype.kind in "iu"
     target_sse = n * peak**2 / 10 ** (settings.target_psnr / 10)
     model_sse = target_sse - (n / 12 if integer else 0.0)  # leave room for rounding to integers
@@ -224,10 +227,13 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights) ->
     return lo, target_sse
 
 
-def _counted_rows(x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-    """Samples (along axis 0) a chunk's PSNR target is measured over. Zarr pads edge chunks with zeros; an
-    all-zero sample along an untransformed axis 0 decodes exactly, so leaving such samples out is
-    conservative and keeps the target true for the real samples of a partial chunk."""
+def _counted_rows(x: np.ndarray, axes: tuple[int, ...], valid_rows: int | None = None) -> np.ndarray:
+    """Samples (along axis 0) a chunk's PSNR target is measured over: the first ``valid_rows`` when the
+    caller knows them. Otherwise (a plain Zarr write) Zarr pads edge chunks with zeros; an all-zero sample
+    along an untransformed axis 0 decodes exactly, so leaving such samples out is conservative and keeps
+    the target true for the real samples of a partial chunk."""
+    if valid_rows is not None:
+        return np.arange(x.shape[0]) < valid_rows
     if 0 in axes or x.shape[0] == 0:
         return np.ones(x.shape[0], dtype=bool)
     rows = np.any(x.reshape(x.shape[0], -1) != 0, axis=1)

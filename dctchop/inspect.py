@@ -15,7 +15,7 @@ from dctchop.store import (
     META_GROUP,
     _chunk_metrics,
     _chunk_ranges,
-    chunk_problems,
+    array_problems,
     directory_bytes,
 )
 
@@ -41,6 +41,14 @@ def chunk_table(group: zarr.Group, name: str) -> dict[str, np.ndarray]:
     return {key: np.asarray(meta[key][...]).reshape(-1) for key in META_FIELDS}
 
 
+QUALITY_KEYS = ("psnr_min", "psnr_mean", "psnr_max", "max_abs_error")
+
+
+def _quality(table: dict[str, np.ndarray]) -> dict[str, float]:
+    return {"psnr_min": float(table["psnr"].min()), "psnr_mean": float(table["psnr"].mean()),
+            "psnr_max": float(table["psnr"].max()), "max_abs_error": float(table["max_abs_error"].max())}
+
+
 def inspect_store(path: str | Path, chunks: bool = False) -> dict:
     """Per array: shape, dtype, axes, settings, original and stored bytes (everything on disk for the array,
     its metadata included), ratio, PSNR over chunks, max abs error; plus totals."""
@@ -48,17 +56,20 @@ def inspect_store(path: str | Path, chunks: bool = False) -> dict:
     group, info = open_store(path)
     arrays = {}
     for name, a in info["arrays"].items():
-        table = chunk_table(group, name)
+        problems = array_problems(path, name, a["shape"], a["chunks"])
+        # with unreadable metadata arrays the per-chunk table is unknown: fall back to the summary written
+        # with the store
+        table = None if any(p["chunk"] is None for p in problems) else chunk_table(group, name)
         stored = directory_bytes(path / name) + directory_bytes(path / META_GROUP / name)
         entry = {
             "shape": a["shape"], "dtype": a["dtype"], "layout": a["layout"], "axes": a["axes"],
             "chunks": a["chunks"], "target": a["target"], "codec": a["codec"], "peak": a["peak"],
             "original_bytes": a["original_bytes"], "stored_bytes": stored, "ratio": a["original_bytes"] / stored,
-            "psnr": float(a["psnr"]), "psnr_min": float(table["psnr"].min()), "psnr_mean": float(table["psnr"].mean()),
-            "psnr_max": float(table["psnr"].max()), "max_abs_error": float(table["max_abs_error"].max()),
-            "damaged_chunks": chunk_problems(path, name, a["shape"], a["chunks"]),
+            "psnr": float(a["psnr"]),
+            **(_quality(table) if table is not None else {k: float(a[k]) for k in QUALITY_KEYS}),
+            "damaged_chunks": problems,
         }
-        if chunks:
+        if chunks and table is not None:
             entry["chunk_table"] = {k: v.tolist() for k, v in table.items()}
         arrays[name] = entry
     lossless = {}
@@ -78,11 +89,18 @@ def inspect_store(path: str | Path, chunks: bool = False) -> dict:
 def require_intact(path: str | Path, info: dict) -> None:
     """Raise naming the array and chunk when any chunk of the store is missing or damaged."""
     for name, a in info["arrays"].items():
-        problems = chunk_problems(Path(path), name, a["shape"], a["chunks"])
+        problems = array_problems(Path(path), name, a["shape"], a["chunks"])
         if problems:
-            first = problems[0]
-            more = f" (and {len(problems) - 1} more damaged chunk(s))" if len(problems) > 1 else ""
-            raise DctchopError(f"{path}: array {name}, chunk {first['chunk']}: {first['problem']}{more}")
+            raise DctchopError(describe_damage(path, {name: problems}))
+
+
+def describe_damage(path: str | Path, problems: dict[str, list[dict]]) -> str:
+    """One line naming the first damaged array and chunk, and how many more problems there are."""
+    found = [(name, p) for name, ps in problems.items() for p in ps]
+    name, first = found[0]
+    where = f"array {name}" + (f", chunk {first['chunk']}" if first["chunk"] is not None else "")
+    more = f" (and {len(found) - 1} more problem(s))" if len(found) > 1 else ""
+    return f"{path}: {where}: {first['problem']}{more}"
 
 
 def verify_store(path: str | Path, source_path: str | Path) -> dict:

@@ -20,6 +20,7 @@ crc32c, which are lossless and checked on read), so it describes what is on disk
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -226,7 +227,7 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
     """
     zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
     ranges = _sample_ranges(plan)
-    sample = [_pad_to_chunk(plan.source.read(*r), plan.chunks) for r in ranges]
+    sample = [_pad_to_chunk(plan.source.read(*r), plan.chunks, edge=0 in plan.axes) for r in ranges]
     n_chunks = len(_chunk_ranges(plan.source.shape[0], plan.chunks[0]))
     original = math.prod(plan.source.shape) * plan.source.dtype.itemsize
 
@@ -252,10 +253,14 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
     return math.exp((lo + hi) / 2)
 
 
-def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...]) -> np.ndarray:
-    """Samples zero-padded to a whole chunk along axis 0, as Zarr hands an edge chunk to the codec."""
+def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...], edge: bool = False) -> np.ndarray:
+    """Samples padded to a whole chunk along axis 0: with zeros, as Zarr pads an edge chunk, or, when axis
+    0 is transformed (``edge``), by repeating the last sample, so the padding adds no edge inside a block
+    (readers never see the padding either way)."""
     if x.shape[0] == chunks[0]:
         return x
+    if edge:
+        return np.concatenate([x, np.repeat(x[-1:], chunks[0] - x.shape[0], axis=0)])
     out = np.zeros(chunks, dtype=x.dtype)
     out[: x.shape[0]] = x
     return out
@@ -269,11 +274,16 @@ def _temporary_sibling(output: Path) -> Path:
 
 
 def remove_stale_temporaries(output: Path) -> None:
-    """Remove temporaries that a killed run (SIGKILL, power loss) left beside ``output``: those whose
-    process no longer exists. A live process's temporary is never touched."""
+    """Clean up after a killed run (SIGKILL, power loss): remove the temporaries whose process no longer
+    exists, and put back an old store that an --overwrite moved aside but never replaced. A live process's
+    files are never touched."""
     for tmp in output.parent.glob(f".{output.name}.dctchop-*-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
+            continue
+        if ".dctchop-old-" in tmp.name and not output.exists():
+            os.rename(tmp, output)  # killed between the two renames of --overwrite: the old store is the output
+        else:
             _remove(tmp)
 
 
@@ -308,12 +318,23 @@ def _process_alive(pid: int) -> bool:
 def _check_output(source_path: str, output: Path, overwrite: bool) -> None:
     out = output.resolve()
     src = Path(source_path).resolve()
-    if out == src or src in out.parents:
-        raise DctchopError(f"output {output} must not be the input or inside it")
+    if out == src or src in out.parents or out in src.parents:
+        raise DctchopError(f"output {output} must not be the input, inside it, or contain it")
     if not out.parent.is_dir():
         raise DctchopError(f"output directory {output.parent} does not exist")
     if out.exists() and not overwrite:
         raise DctchopError(f"output {output} exists; pass --overwrite to replace it")
+    if out.is_dir() and not is_dctchop_store(out):
+        raise DctchopError(f"output {output} is a directory that is not a dctchop store; refusing to replace it")
+
+
+def is_dctchop_store(path: Path) -> bool:
+    """A directory whose root zarr.json carries dctchop attributes (what --overwrite may replace)."""
+    try:
+        meta = json.loads((path / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and isinstance(meta.get("attributes", {}).get("dctchop"), dict)
 
 
 def _chunk_file(root: Path, name: str, index: int, ndim: int) -> Path:
@@ -341,21 +362,35 @@ def unframe(raw: bytes) -> bytes:
         raise CorruptChunkError(f"zstd cannot decode the chunk ({e})") from None
 
 
-def chunk_problems(root: Path, name: str, shape, chunks) -> list[dict]:
-    """Every damaged chunk of a stored array: missing file, bad checksum, undecodable header.
+def array_problems(root: Path, name: str, shape, chunks) -> list[dict]:
+    """Everything damaged about one stored array, found without decoding: its metadata cannot be opened
+    (missing or broken zarr.json, a codec version this dctchop cannot read), a chunk file is missing, not a
+    file, fails its crc32c or has an undecodable header, or a per-chunk metadata element is missing.
 
     Zarr would silently return the fill value for a missing chunk; a dctchop store always writes every
-    chunk, so a missing one is damage.
+    chunk, so a missing one is damage. ``chunk`` is None for damage that is not one chunk's.
     """
     problems = []
-    for i in range(-(-shape[0] // chunks[0])):
+    for key, path in [(None, root / name), *((k, root / META_GROUP / name / k) for k in META_FIELDS)]:
+        try:
+            zarr.open_array(str(path), mode="r")
+        except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
+            what = "array metadata" if key is None else f"metadata array {key}"
+            problems.append({"chunk": None, "problem": f"{what} cannot be opened ({type(e).__name__}: {e})"})
+    n_chunks = -(-shape[0] // chunks[0])
+    for i in range(n_chunks):
         path = _chunk_file(root, name, i, len(shape))
         try:
             read_header(unframe(path.read_bytes()))
         except FileNotFoundError:
             problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
+        except OSError as e:
+            problems.append({"chunk": i, "problem": f"unreadable ({e.strerror or e})"})
         except CorruptChunkError as e:
             problems.append({"chunk": i, "problem": str(e)})
+        missing = [k for k in META_FIELDS if not _chunk_file(root / META_GROUP, f"{name}/{k}", i, len(shape)).is_file()]
+        if missing:
+            problems.append({"chunk": i, "problem": f"per-chunk metadata missing: {', '.join(missing)}"})
     return problems
 
 
@@ -398,8 +433,8 @@ def encode_chunk_task(plan: ArrayPlan, root: str, i: int, start: int, stop: int)
     """
     src = plan.source
     x = src.read(start, stop)
-    chunk = _pad_to_chunk(x, plan.chunks)
-    data, y = encode_and_reconstruct(chunk, plan.settings)
+    chunk = _pad_to_chunk(x, plan.chunks, edge=0 in plan.axes)
+    data, y = encode_and_reconstruct(chunk, plan.settings, valid_rows=stop - start)
     y = y[: stop - start]
     psnr, max_err, rmse = _chunk_metrics(x, y, plan.peak)
     target = plan.settings.target_psnr
@@ -409,16 +444,20 @@ def encode_chunk_task(plan: ArrayPlan, root: str, i: int, start: int, stop: int)
     steps = read_header(data).steps
     stored = _stored_bytes(data)
     ndim = len(src.shape)
-    _write_file(_chunk_file(Path(root), plan.name, i, ndim), stored)
+    _write_file(Path(root), _chunk_file(Path(root), plan.name, i, ndim), stored)
     meta = {"psnr": psnr, "max_abs_error": max_err, "rmse": rmse, "stored_bytes": len(stored),
             "step": float(np.min(steps)) if steps is not None else math.nan}
     for key, value in meta.items():
         element = np.asarray(value, dtype=np.dtype(META_FIELDS[key]).newbyteorder("<")).tobytes()
-        _write_file(_chunk_file(Path(root) / META_GROUP, f"{plan.name}/{key}", i, ndim), element)
+        _write_file(Path(root), _chunk_file(Path(root) / META_GROUP, f"{plan.name}/{key}", i, ndim), element)
     return {"chunk": i, "nbytes": x.nbytes, "sse": rmse * rmse * x.size, **meta}
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def _write_file(root: Path, path: Path, data: bytes) -> None:
+    """Write one whole file below ``root``, never recreating ``root`` itself (an interrupted run removes it
+    while tasks may still be finishing)."""
+    if not root.is_dir():
+        raise DctchopError(f"{root} was removed while chunks were being written")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
 
@@ -436,11 +475,14 @@ def _write_lossy(root: Path, plan: ArrayPlan, workers: int, scheduler: str | Non
         from dctchop.dask_runner import run_tasks
 
         results = run_tasks(encode_chunk_task, items, scheduler)
-    for r in results:
-        for key in META_FIELDS:
-            meta[key][r["chunk"]] = r[key]
-        sse += r["sse"]
-        progress(r["nbytes"])
+    try:
+        for r in results:
+            for key in META_FIELDS:
+                meta[key][r["chunk"]] = r[key]
+            sse += r["sse"]
+            progress(r["nbytes"])
+    finally:
+        results.close()  # on an error or Ctrl-C: stop the workers before the caller removes the store
     return {"sse": sse, "meta": meta}
 
 

@@ -1,0 +1,801 @@
+"""Failure behaviour of the ``dctchop`` command line (issue #5): bad inputs, damaged stores, interrupted runs.
+
+Every case runs the installed ``dctchop`` executable (or, where a fault has to be injected, the CLI's
+``main`` in a ``python -c`` subprocess) on real files made here, and checks the documented contract:
+
+* the exit code: 0 ok, 1 user error, 2 usage error, 3 internal error, 130 interrupted;
+* stderr is exactly one non-empty line (``dctchop: error: ...``, ``dctchop: internal error: ...`` or
+  ``dctchop: interrupted``) that names the problem, and holds no traceback (unless ``--debug``);
+* nothing is left at the output path: neither OUTPUT nor a ``.OUTPUT.dctchop-*`` temporary sibling;
+* an output that existed before is untouched (bytes and mtimes), and so is the input.
+
+
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+
+DCTCHOP = Path(sys.executable).parent / "dctchop"
+PSNR_TOL = 0.01
+
+
+# --------------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+def run(*args, cwd=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(DCTCHOP), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, check=False)
+
+
+def run_main(argv: list[str], prelude: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``dctchop.cli.main.main(argv)`` in a fresh interpreter, after ``prelude`` (fault injection) ran."""
+    code = prelude + f"\nfrom dctchop.cli.main import main\nmain({[str(a) for a in argv]!r})\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=120,
+                          check=False)
+
+
+def _describe(p: subprocess.CompletedProcess) -> str:
+    return f"exit {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
+
+
+def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert p.returncode == 0, _describe(p)
+    assert "Traceback" not in p.stderr, _describe(p)
+    return p
+
+
+def one_line(p: subprocess.CompletedProcess, code: int, prefix: str, *words: str) -> str:
+    """Exit ``code``, exactly one non-empty stderr line starting with ``prefix`` and containing ``words``."""
+    assert p.returncode == code, _describe(p)
+    assert "Traceback" not in p.stderr, _describe(p)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, _describe(p)
+    assert lines[0].startswith(prefix), _describe(p)
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def user_error(p: subprocess.CompletedProcess, *words: str) -> str:
+    return one_line(p, 1, "dctchop: error: ", *words)
+
+
+def siblings(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f".{out.name}.dctchop-*"))
+
+
+def assert_no_output(out: Path) -> None:
+    assert not os.path.lexists(out), f"{out} was left behind"
+    assert siblings(out) == [], f"temporaries left behind: {siblings(out)}"
+
+
+def snapshot(path: Path) -> dict:
+    """Bytes and mtime of a file, or of every file (and the set of directories) under a directory."""
+    path = Path(path)
+    if path.is_file():
+        return {".": (path.read_bytes(), path.stat().st_mtime_ns)}
+    snap = {str(f.relative_to(path)): (f.read_bytes(), f.stat().st_mtime_ns) for f in path.rglob("*")
+            if f.is_file()}
+    snap["<dirs>"] = sorted(str(d.relative_to(path)) for d in path.rglob("*") if d.is_dir())
+    return snap
+
+
+def psnr(original: np.ndarray, decoded: np.ndarray) -> float:
+    """The documented PSNR: peak = the dtype's range for integers, max - min of the original for floats."""
+    x = original.astype(np.float64)
+    y = np.asarray(decoded).astype(np.float64)
+    if original.dtype.kind in "iu":
+        info = np.iinfo(original.dtype)
+        peak = float(info.max) - float(info.min)
+    else:
+        peak = float(x.max() - x.min())
+    mse = float(np.mean((x - y) ** 2))
+    return math.inf if mse == 0 else 20 * math.log10(peak) - 10 * math.log10(mse)
+
+
+def read_store(store: Path, name: str = "data") -> np.ndarray:
+    return np.asarray(zarr.open_group(str(store), mode="r")[name][...])
+
+
+def smooth(shape, dtype="float32", offset=0.0) -> np.ndarray:
+    """A smooth field (compresses well, reaches high PSNR), cast to ``dtype``."""
+    grids = np.meshgrid(*[np.linspace(0, 3, n) for n in shape], indexing="ij")
+    x = offset + np.sin(sum(g * (i + 1) for i, g in enumerate(grids))) + 0.3 * np.cos(grids[-1] * 2)
+    if np.dtype(dtype).kind in "iu":
+        info = np.iinfo(dtype)
+        x = (x - x.min()) / (x.max() - x.min()) * (min(info.max, 60000) - 10) + 5
+    return x.astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """Small input files shared by the input tests (made once; tests never write into this directory)."""
+    d = tmp_path_factory.mktemp("inputs")
+    rng = np.random.default_rng(5)
+    np.save(d / "images.npy", smooth((64, 16, 16), "uint8"))
+    np.save(d / "field.npy", smooth((16, 24, 24), "float32"))
+    images = rng.integers(0, 256, (16, 16, 16), dtype=np.uint8)
+    with h5py.File(d / "other.h5", "w") as f:
+        f["images"] = images
+    with h5py.File(d / "ext.h5", "w") as f:
+        f["images"] = h5py.ExternalLink("other.h5", "/images")
+    with h5py.File(d / "vds.h5", "w") as f:
+        layout = h5py.VirtualLayout(shape=images.shape, dtype=images.dtype)
+        layout[:] = h5py.VirtualSource("other.h5", "images", shape=images.shape)
+        f.create_virtual_dataset("images", layout)
+    with h5py.File(d / "types.h5", "w") as f:
+        f["images"] = images
+        f["strings"] = np.array([[b"ab", b"cd"]] * 4)
+        f.create_dataset("vlen", data=np.array([["a", "bb"]] * 4, dtype=object), dtype=h5py.string_dtype())
+        f["complex"] = np.zeros((4, 8, 8), np.complex64)
+        f["flags"] = np.zeros((4, 8, 8), bool)
+    return d
+
+
+# --------------------------------------------------------------------------------------------------------
+# inputs and outputs
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_missing_input(tmp_path):
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", tmp_path / "missing.npy", out), "missing.npy", "no such file")
+    assert_no_output(out)
+
+
+def test_directory_as_input(tmp_path):
+    (tmp_path / "indir").mkdir()
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", tmp_path / "indir", out), "indir", "directory")
+    assert_no_output(out)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_input(tmp_path, inputs):
+    src = tmp_path / "secret.npy"
+    shutil.copy(inputs / "images.npy", src)
+    src.chmod(0)
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", src, out), "secret.npy", "permission denied")
+    assert_no_output(out)
+
+
+@pytest.mark.parametrize("how", ["same path", "same path --overwrite", "symlink --overwrite", "inside input"])
+def test_output_is_the_input_or_inside_it(tmp_path, inputs, how):
+    src = tmp_path / "in.npy"
+    shutil.copy(inputs / "images.npy", src)
+    before = snapshot(src)
+    extra = ["--overwrite"] if "--overwrite" in how else []
+    if how.startswith("same path"):
+        out = src
+    elif how.startswith("symlink"):
+        out = tmp_path / "alias.npy"
+        out.symlink_to(src)
+    else:
+        out = src / "sub.zarr"
+    user_error(run("compress", src, out, *extra), "must not be the input")
+    assert snapshot(src) == before
+    assert siblings(out) == [] and siblings(src) == []
+
+
+def test_output_containing_the_input_is_refused(tmp_path, inputs):
+    work = tmp_path / "work"
+    work.mkdir()
+    src = work / "in.npy"
+    shutil.copy(inputs / "images.npy", src)
+    before = snapshot(work)
+    p = run("compress", src, work, "--overwrite")
+    assert src.exists(), "the input file was deleted"
+    user_error(p, "input")
+    assert snapshot(work) == before
+    assert siblings(work) == []
+
+
+def test_overwrite_refuses_to_replace_something_that_is_not_a_store(tmp_path, inputs):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "precious.txt").write_text("not a store")
+    before = snapshot(out)
+    p = run("compress", inputs / "images.npy", out, "--overwrite")
+    assert (out / "precious.txt").exists(), "an unrelated directory was deleted by --overwrite"
+    user_error(p, "notes")
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("kind", ["store directory", "file"])
+def test_existing_output_without_overwrite_is_untouched(tmp_path, inputs, kind):
+    out = tmp_path / "out.zarr"
+    if kind == "file":
+        out.write_bytes(b"keep me")
+    else:
+        out.mkdir()
+        (out / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
+        (out / "data").mkdir()
+        (out / "data" / "chunk").write_bytes(b"\x00\x01\x02")
+    before = snapshot(out)
+    user_error(run("compress", inputs / "images.npy", out), "out.zarr", "exists", "--overwrite")
+    assert snapshot(out) == before
+    assert siblings(out) == []
+
+
+def test_output_parent_missing(tmp_path, inputs):
+    out = tmp_path / "nowhere" / "out.zarr"
+    user_error(run("compress", inputs / "images.npy", out), "nowhere", "does not exist")
+    assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".h5"])
+def test_random_bytes(tmp_path, suffix):
+    src = tmp_path / f"noise{suffix}"
+    src.write_bytes(np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    out = tmp_path / "out.zarr"
+    line = user_error(run("compress", src, out), f"noise{suffix}")
+    assert ("npy" if suffix == ".npy" else "HDF5") in line
+    assert_no_output(out)
+
+
+@pytest.mark.parametrize("what", ["npy data", "npy header", "h5"])
+def test_truncated_input(tmp_path, inputs, what):
+    if what == "h5":
+        full = tmp_path / "full.h5"
+        with h5py.File(full, "w") as f:
+            f["x"] = np.random.default_rng(0).random((32, 64, 64)).astype("f4")
+        data = full.read_bytes()
+        src = tmp_path / "cut.h5"
+        src.write_bytes(data[: len(data) // 2])
+    else:
+        data = (inputs / "images.npy").read_bytes()
+        src = tmp_path / "cut.npy"
+        src.write_bytes(data[: 500 if what == "npy data" else 30])
+    out = tmp_path / "out.zarr"
+    line = user_error(run("compress", src, out), src.name)
+    if what == "npy data":
+        assert "truncated" in line
+    elif what == "npy header":
+        assert "header" in line
+    else:
+        assert "truncated" in line or "HDF5" in line
+    assert_no_output(out)
+
+
+class _Payload:
+    """Unpickling this runs ``touch MARKER`` (pickle's ``__reduce__``): a malicious object array."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("dtype", ["object", "record with an object field"])
+def test_pickled_npy_is_refused_and_never_unpickled(tmp_path, dtype):
+    marker = tmp_path / "PWNED"
+    if dtype == "object":
+        arr = np.empty((4, 4), dtype=object)
+        arr[...] = 0
+        arr[0, 0] = _Payload(marker)
+    else:
+        arr = np.zeros((4, 4), dtype=[("x", "f4"), ("o", "O")])
+        arr["o"] = 0
+        arr[0, 0] = (1.0, _Payload(marker))
+    src = tmp_path / "evil.npy"
+    np.save(src, arr, allow_pickle=True)
+    assert not marker.exists()
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", src, out), "evil.npy", "pickle")
+    assert not marker.exists(), "dctchop unpickled the file"
+    assert_no_output(out)
+    # control: the payload is live; np.load(allow_pickle=True) runs it (a harmless ``touch`` in tmp_path)
+    np.load(src, allow_pickle=True)
+    assert marker.exists()
+
+
+def test_hdf5_dataset_missing(tmp_path, inputs):
+    out = tmp_path / "out.zarr"
+    line = user_error(run("compress", inputs / "types.h5", out, "--dataset", "nope"), "types.h5", "nope")
+    assert "/images" in line  # the available datasets are listed
+    assert_no_output(out)
+
+
+@pytest.mark.parametrize("name", ["ext.h5", "vds.h5"])
+def test_hdf5_outside_the_file_refused_without_follow_external(tmp_path, inputs, name):
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", inputs / name, out), name, "/images", "other.h5", "--follow-external")
+    assert_no_output(out)
+
+
+@pytest.mark.parametrize("name", ["ext.h5", "vds.h5"])
+def test_hdf5_outside_the_file_accepted_with_follow_external(tmp_path, inputs, name):
+    out = tmp_path / "out.zarr"
+    ok(run("compress", inputs / name, out, "--follow-external", "--quiet"))
+    with h5py.File(inputs / "other.h5", "r") as f:
+        original = f["images"][...]
+    decoded = read_store(out, "images")
+    assert decoded.shape == original.shape and decoded.dtype == original.dtype
+    assert psnr(original, decoded) >= 40 - PSNR_TOL
+    assert siblings(out) == []
+
+
+@pytest.mark.parametrize(("dataset", "words"), [
+    ("strings", ["string"]),
+    ("vlen", ["variable-length", "string"]),
+    ("complex", ["complex"]),
+    ("flags", ["bool"]),
+])
+def test_hdf5_non_numeric_dataset_named(tmp_path, inputs, dataset, words):
+    out = tmp_path / "out.zarr"
+    p = run("compress", inputs / "types.h5", out, "--dataset", dataset)
+    user_error(p, "types.h5", f"/{dataset}", *words)
+    assert_no_output(out)
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "bool"])
+def test_npy_unsupported_dtype(tmp_path, dtype):
+    src = tmp_path / "x.npy"
+    np.save(src, np.zeros((4, 8, 8), dtype=dtype))
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", src, out), dtype)
+    assert_no_output(out)
+
+
+@pytest.mark.parametrize("case", ["npy mixed", "npy -inf in later chunks", "h5 nan"])
+def test_nan_and_inf_refused(tmp_path, case):
+    x = smooth((40, 16, 16), "float32")
+    args = []
+    if case == "npy mixed":
+        x[3, 4, 5], x[7, 0, 0], x[8, 1, 1] = np.nan, np.inf, -np.inf
+        count, first = 3, "[3, 4, 5]"
+    elif case == "npy -inf in later chunks":
+        x[9, 2, 3] = x[13, 0, 0] = -np.inf
+        count, first = 2, "[9, 2, 3]"
+        args = ["--chunk-samples", "4"]
+    else:
+        x = x.astype(np.float64)
+        x[20, 15, 1] = x[30, 0, 0] = x[31, 0, 0] = x[39, 15, 15] = np.nan
+        count, first = 4, "[20, 15, 1]"
+    if case.startswith("h5"):
+        src = tmp_path / "field.h5"
+        with h5py.File(src, "w") as f:
+            f["velocity"] = x
+    else:
+        src = tmp_path / "field.npy"
+        np.save(src, x)
+    out = tmp_path / "out.zarr"
+    line = user_error(run("compress", src, out, *args), f"{count} NaN", first)
+    if case.startswith("h5"):
+        assert "velocity" in line
+    assert_no_output(out)
+
+
+@pytest.mark.parametrize("case", ["npy (0, 8, 8)", "npy (4, 0, 8)", "h5 (0, 8, 8)"])
+def test_zero_size_array(tmp_path, case):
+    shape = (0, 8, 8) if "(0, 8, 8)" in case else (4, 0, 8)
+    if case.startswith("h5"):
+        src = tmp_path / "empty.h5"
+        with h5py.File(src, "w") as f:
+            f.create_dataset("nothing", shape=shape, dtype="f4")
+        args = ["--dataset", "nothing"]
+    else:
+        src = tmp_path / "empty.npy"
+        np.save(src, np.zeros(shape, np.float32))
+        args = []
+    out = tmp_path / "out.zarr"
+    line = user_error(run("compress", src, out, *args), "empty")
+    if case.startswith("h5"):
+        assert "nothing" in line
+    assert_no_output(out)
+
+
+def test_arrays_smaller_than_one_block_use_edge_blocks(tmp_path):
+    images = np.random.default_rng(2).integers(0, 256, (10, 5, 6), dtype=np.uint8)
+    field = smooth((3, 5, 6), "float32")
+    np.save(tmp_path / "images.npy", images)
+    np.save(tmp_path / "field.npy", field)
+    ok(run("compress", tmp_path / "images.npy", tmp_path / "images.zarr", "--block", "8", "--quiet"))
+    ok(run("compress", tmp_path / "field.npy", tmp_path / "field.zarr", "--block", "8", "--quiet"))
+    assert psnr(images, read_store(tmp_path / "images.zarr")) >= 40 - PSNR_TOL
+    assert psnr(field, read_store(tmp_path / "field.zarr")) >= 60 - PSNR_TOL
+    ok(run("decompress", tmp_path / "images.zarr", tmp_path / "back.npy"))
+    back = np.load(tmp_path / "back.npy")
+    assert back.shape == images.shape and back.dtype == images.dtype
+    np.testing.assert_array_equal(back, read_store(tmp_path / "images.zarr"))
+
+
+def test_one_dimensional_npy(tmp_path):
+    x = np.sin(np.linspace(0, 20, 1000)).astype(np.float64)
+    src = tmp_path / "signal.npy"
+    np.save(src, x)
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", src, out), "[1000]", "--axes")
+    assert_no_output(out)
+    ok(run("compress", src, out, "--axes", "0", "--quiet"))
+    decoded = read_store(out)
+    assert decoded.shape == x.shape and decoded.dtype == x.dtype
+    assert psnr(x, decoded) >= 60 - PSNR_TOL
+
+
+@pytest.mark.parametrize("axes", [None, "1,2"])
+def test_transformed_axis_of_length_one(tmp_path, axes):
+    src = tmp_path / "thin.npy"
+    np.save(src, np.random.default_rng(3).integers(0, 256, (4, 1, 16), dtype=np.uint8))
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", src, out, *(["--axes", axes] if axes else [])), "axis 1", "length 1")
+    assert_no_output(out)
+
+
+@pytest.mark.parametrize("case", ["npy >f4 C", "npy <f4 Fortran", "npy >u2 Fortran", "h5 >f4"])
+def test_big_endian_and_fortran_inputs(tmp_path, case):
+    kind, dtype, order = (case.split() + ["C"])[:3]
+    native = smooth((20, 24, 40), np.dtype(dtype).newbyteorder("="))
+    x = native.astype(dtype)
+    if order == "Fortran":
+        x = np.asfortranarray(x)
+    if kind == "h5":
+        src = tmp_path / "in.h5"
+        with h5py.File(src, "w") as f:
+            f.create_dataset("data", data=x, dtype=dtype)
+    else:
+        src = tmp_path / "in.npy"
+        np.save(src, x)
+        header = src.read_bytes()[:128]
+        assert (b"'fortran_order': True" in header) == (order == "Fortran")
+        assert f"'descr': '{np.dtype(dtype).str}'".encode() in header
+    out = tmp_path / "out.zarr"
+    ok(run("compress", src, out, "--quiet"))
+    decoded = read_store(out)
+    assert decoded.shape == native.shape
+    assert decoded.dtype == native.dtype and decoded.dtype.isnative
+    target = 40 if native.dtype.kind in "iu" else 60
+    assert psnr(native, decoded) >= target - PSNR_TOL
+
+
+def test_ratio_below_one(tmp_path, inputs):
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", inputs / "images.npy", out, "--ratio", "0.5"), "--ratio", "at least 1")
+    assert_no_output(out)
+
+
+def test_ratio_unreachable(tmp_path, inputs):
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", inputs / "images.npy", out, "--ratio", "1e9"), "unreachable")
+    assert_no_output(out)
+
+
+def test_psnr_above_what_the_data_allows(tmp_path, inputs):
+    out = tmp_path / "out.zarr"
+    user_error(run("compress", inputs / "field.npy", out, "--psnr", "300"), "300", "above")
+    assert_no_output(out)
+
+
+def test_psnr_target_met_on_a_partial_chunk_along_a_transformed_axis_0(tmp_path):
+    x = smooth((20, 32, 32), "float32")  # ZYX: axes 0, 1, 2 transformed; chunks of 16 -> last chunk 4 samples
+    src = tmp_path / "zyx.npy"
+    np.save(src, x)
+    out = tmp_path / "out.zarr"
+    ok(run("compress", src, out, "--chunk-samples", "16", "--quiet"))
+    assert psnr(x, read_store(out)) >= 60 - PSNR_TOL
+
+
+# --------------------------------------------------------------------------------------------------------
+# damaged stores
+# --------------------------------------------------------------------------------------------------------
+
+
+N_CHUNKS = 8
+
+
+@pytest.fixture(scope="module")
+def good_store(tmp_path_factory) -> Path:
+    """A store of 8 chunks (64 uint8 16x16 images, 8 per chunk)."""
+    d = tmp_path_factory.mktemp("store")
+    np.save(d / "images.npy", smooth((64, 16, 16), "uint8"))
+    ok(run("compress", d / "images.npy", d / "good.zarr", "--chunk-samples", "8", "--quiet"))
+    files = sorted((d / "good.zarr" / "data" / "c").iterdir(), key=lambda p: int(p.name))
+    assert [p.name for p in files] == [str(i) for i in range(N_CHUNKS)]
+    return d / "good.zarr"
+
+
+def chunk_path(store: Path, i: int) -> Path:
+    return store / "data" / "c" / str(i) / "0" / "0"
+
+
+def copy_store(good_store: Path, tmp_path: Path) -> Path:
+    store = tmp_path / "s.zarr"
+    shutil.copytree(good_store, store)
+    return store
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip one bit", "delete"])
+def test_damaged_chunks(tmp_path, good_store, damage):
+    store = copy_store(good_store, tmp_path)
+    for i in (2, 5):
+        path = chunk_path(store, i)
+        data = bytearray(path.read_bytes())
+        if damage == "truncate":
+            path.write_bytes(bytes(data[: len(data) // 2]))
+        elif damage == "flip one bit":
+            data[len(data) // 3] ^= 0x08
+            path.write_bytes(bytes(data))
+        else:
+            path.unlink()
+    before = snapshot(store)
+
+    p = run("inspect", store, "--json")
+    user_error(p, "damaged")
+    report = json.loads(p.stdout)
+    damaged = report["arrays"]["data"]["damaged_chunks"]
+    assert [d["chunk"] for d in damaged] == [2, 5], damaged
+    assert all(d["problem"] for d in damaged)
+
+    out = tmp_path / "restored.npy"
+    user_error(run("decompress", store, out), "data", "chunk 2")
+    assert_no_output(out)
+    assert snapshot(store) == before
+
+
+def test_inspect_text_lists_every_damaged_chunk(tmp_path, good_store):
+    store = copy_store(good_store, tmp_path)
+    chunk_path(store, 1).unlink()
+    chunk_path(store, 6).write_bytes(b"")
+    p = run("inspect", store)
+    user_error(p, "damaged")
+    damaged_lines = [line for line in p.stdout.splitlines() if "DAMAGED" in line.upper()]
+    assert len(damaged_lines) == 2 and "1" in damaged_lines[0] and "6" in damaged_lines[1], p.stdout
+
+
+STORE_DAMAGE = {
+    "chunk file replaced by a directory": ("data", "chunk 2"),
+    "array zarr.json deleted": ("data",),
+    "array zarr.json not JSON": ("data",),
+    "metadata array deleted": ("psnr",),
+    "metadata chunk deleted": ("psnr",),
+}
+
+
+@pytest.mark.parametrize("damage", list(STORE_DAMAGE))
+def test_damaged_store_structure(tmp_path, good_store, damage):
+    store = copy_store(good_store, tmp_path)
+    if damage == "chunk file replaced by a directory":
+        chunk_path(store, 2).unlink()
+        chunk_path(store, 2).mkdir()
+    elif damage == "array zarr.json deleted":
+        (store / "data" / "zarr.json").unlink()
+    elif damage == "array zarr.json not JSON":
+        (store / "data" / "zarr.json").write_text("garbage")
+    elif damage == "metadata array deleted":
+        shutil.rmtree(store / "dctchop_meta" / "data" / "psnr")
+    else:
+        (store / "dctchop_meta" / "data" / "psnr" / "c" / "3" / "0" / "0").unlink()
+    words = STORE_DAMAGE[damage]
+    user_error(run("inspect", store), *words)
+    if not damage.startswith("metadata"):  # decompress needs no per-chunk metadata
+        out = tmp_path / "restored.npy"
+        user_error(run("decompress", store, out), *words)
+        assert_no_output(out)
+
+
+def _future_codec_version(store: Path) -> None:
+    meta = store / "data" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    (codec,) = [c for c in doc["codecs"] if c["name"] == "dctchop"]
+    assert codec["configuration"]["format_version"] == 1
+    codec["configuration"]["format_version"] = 99
+    meta.write_text(json.dumps(doc, indent=2))
+
+
+def test_inspect_codec_format_version_from_the_future(tmp_path, good_store):
+    store = copy_store(good_store, tmp_path)
+    _future_codec_version(store)
+    user_error(run("inspect", store), "99")
+
+
+def test_decompress_codec_format_version_from_the_future(tmp_path, good_store):
+    store = copy_store(good_store, tmp_path)
+    _future_codec_version(store)
+    out = tmp_path / "restored.npy"
+    user_error(run("decompress", store, out), "format_version 99", "version 1")
+    assert_no_output(out)
+
+
+def test_chunk_header_format_version_from_the_future(tmp_path, good_store):
+    from dctchop.store import _stored_bytes, unframe
+
+    store = copy_store(good_store, tmp_path)
+    path = chunk_path(store, 3)
+    raw = bytearray(unframe(path.read_bytes()))
+    assert raw[:4] == b"DCTC" and raw[4] == 1
+    raw[4] = 2
+    path.write_bytes(_stored_bytes(bytes(raw)))
+
+    p = run("inspect", store, "--json")
+    user_error(p, "damaged")
+    damaged = json.loads(p.stdout)["arrays"]["data"]["damaged_chunks"]
+    assert [d["chunk"] for d in damaged] == [3] and "version 2" in damaged[0]["problem"]
+
+    out = tmp_path / "restored.h5"
+    user_error(run("decompress", store, out), "data", "chunk 3", "version 2", "version 1")
+    assert_no_output(out)
+
+
+# --------------------------------------------------------------------------------------------------------
+# interrupted and failing runs
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big_npy(tmp_path_factory) -> Path:
+    """200 MB of smooth float32 (800 images of 250x250): several seconds of compress on two cores."""
+    path = tmp_path_factory.mktemp("big") / "big.npy"
+    m = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(800, 250, 250))
+    yy, xx = np.mgrid[0:250, 0:250].astype(np.float32) / 25
+    base = np.sin(yy) * np.cos(xx)
+    for s in range(0, 800, 100):
+        m[s:s + 100] = base + np.arange(s, s + 100, dtype=np.float32)[:, None, None] * np.float32(1e-3)
+    m.flush()
+    del m
+    return path
+
+
+def start_and_wait_for_chunks(args, out: Path) -> tuple[subprocess.Popen, Path]:
+    """Start ``dctchop compress``; return once its temporary holds chunk files (mid-way through writing)."""
+    proc = subprocess.Popen([str(DCTCHOP), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        tmps = [t for t in siblings(out) if "-tmp-" in t.name]
+        try:
+            if tmps and any((tmps[0] / "data" / "c").iterdir()):
+                return proc, tmps[0]
+        except FileNotFoundError:  # not there yet
+            pass
+        if proc.poll() is not None:
+            _, stderr = proc.communicate()
+            pytest.fail(f"compress ended (exit {proc.returncode}) before it was interrupted:\n{stderr}")
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail("no temporary with chunk files appeared")
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def test_sigint_during_compress(tmp_path, big_npy):
+    out = tmp_path / "big.zarr"
+    proc, _ = start_and_wait_for_chunks(["compress", big_npy, out], out)
+    proc.send_signal(signal.SIGINT)
+    one_line(finish(proc), 130, "dctchop: interrupted")
+    assert_no_output(out)
+    ok(run("compress", big_npy, out, "--quiet"))
+    assert (out / "zarr.json").is_file() and siblings(out) == []
+
+
+def test_sigkill_during_compress_then_rerun(tmp_path, big_npy):
+    out = tmp_path / "big.zarr"
+    proc, tmp = start_and_wait_for_chunks(["compress", big_npy, out], out)
+    proc.send_signal(signal.SIGKILL)
+    assert finish(proc).returncode == -signal.SIGKILL
+    assert not os.path.lexists(out)
+    assert tmp.exists()  # a killed process cannot clean up: the stray temporary is there
+    ok(run("compress", big_npy, out, "--quiet"))
+    assert (out / "zarr.json").is_file()
+    assert not tmp.exists() and siblings(out) == [], "the stale temporary of a dead process was not removed"
+
+
+def test_sigint_during_overwrite_keeps_the_old_store(tmp_path, big_npy, inputs):
+    out = tmp_path / "big.zarr"
+    ok(run("compress", inputs / "images.npy", out, "--quiet"))
+    before = snapshot(out)
+    proc, _ = start_and_wait_for_chunks(["compress", big_npy, out, "--overwrite"], out)
+    proc.send_signal(signal.SIGINT)
+    one_line(finish(proc), 130, "dctchop: interrupted")
+    assert snapshot(out) == before
+    assert siblings(out) == []
+    np.testing.assert_array_equal(read_store(out).shape, (64, 16, 16))
+
+
+CTRL_C_BETWEEN_CHUNKS = """
+import time
+import dctchop.cli.main
+import dctchop.formats
+_read = dctchop.formats.SourceArray.read
+def slow_read(self, *args, **kwargs):  # chunks take a while, so other workers are busy when Ctrl-C lands
+    time.sleep(0.3)
+    return _read(self, *args, **kwargs)
+dctchop.formats.SourceArray.read = slow_read
+_calls = [0]
+def progress(self, n):  # Ctrl-C landing while the main thread is between two finished chunks
+    _calls[0] += 1
+    if _calls[0] == 2:
+        raise KeyboardInterrupt
+dctchop.cli.main._Progress.__call__ = progress
+"""
+
+
+def test_ctrl_c_between_chunks_leaves_no_temporary(tmp_path):
+    src = tmp_path / "images.npy"
+    np.save(src, smooth((160, 64, 64), "uint8"))
+    out = tmp_path / "out.zarr"
+    argv = ["compress", src, out, "--chunk-samples", "8", "--workers", "2"]
+    p = run_main(argv, CTRL_C_BETWEEN_CHUNKS, tmp_path)
+    one_line(p, 130, "dctchop: interrupted")
+    assert_no_output(out)
+
+
+def test_disk_full_on_tmpfs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        src = tmp_path / "noise.npy"  # ~10 MB that does not compress: the store cannot fit in 2 MB
+        np.save(src, np.random.default_rng(4).integers(0, 256, (40, 512, 512), dtype=np.uint8))
+        out = mnt / "out.zarr"
+        # float32 coefficients of noise: about 4x the input, so the disk fills within the first chunks
+        user_error(run("compress", src, out, "--keep", "8", "--precision", "float32"), "No space left")
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+WRITE_FAILS = """
+import pathlib
+_write_bytes, _calls = pathlib.Path.write_bytes, [0]
+def write_bytes(self, data):
+    _calls[0] += 1
+    if _calls[0] > {after}:
+        raise OSError(28, "No space left on device")
+    return _write_bytes(self, data)
+pathlib.Path.write_bytes = write_bytes
+"""
+
+
+def test_write_error_mid_way(tmp_path, inputs):
+    out = tmp_path / "out.zarr"
+    p = run_main(["compress", inputs / "images.npy", out, "--chunk-samples", "8"],
+                 WRITE_FAILS.format(after=3), tmp_path)
+    user_error(p, "No space left", "out.zarr")
+    assert_no_output(out)
+
+
+INTERNAL_ERROR = """
+import dctchop.formats
+def read(self, *args, **kwargs):
+    raise RuntimeError("injected failure xyzzy")
+dctchop.formats.SourceArray.read = read
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_internal_error(tmp_path, inputs, debug):
+    out = tmp_path / "out.zarr"
+    argv = (["--debug"] if debug else []) + ["compress", inputs / "images.npy", out, "--chunk-samples", "8"]
+    p = run_main(argv, INTERNAL_ERROR, tmp_path)
+    assert p.returncode == 3, _describe(p)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines[-1] == "dctchop: internal error: RuntimeError: injected failure xyzzy", _describe(p)
+    if debug:
+        assert "Traceback" in p.stderr and "injected failure xyzzy" in "\n".join(lines[:-1])
+    else:
+        one_line(p, 3, "dctchop: internal error: ", "RuntimeError", "xyzzy")
+    assert_no_output(out)
