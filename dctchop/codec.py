@@ -42,7 +42,7 @@ from zarr.core.common import parse_named_configuration
 from dctchop import quantize as qz
 from dctchop.bitplanes import from_planes, to_planes
 from dctchop.errors import CorruptChunkError, DctchopError
-from dctchop.transform import MASKS, forward, gather, inverse, make_plan, work_dtype
+from dctchop.transform import MASKS, TransformPlan, forward, gather, inverse, make_plan, work_dtype
 
 if TYPE_CHECKING:
     from typing import Self
@@ -335,8 +335,24 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
     )
 
 
-def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, threads: int = 1) -> np.ndarray:
-    """Decode one chunk that must hold an array of ``shape`` and ``dtype``.
+@dataclass(frozen=True)
+class StoredChunk:
+    """One checked chunk after the lossless stage, before dequantization and the inverse transform.
+
+    ``stored`` holds the stored values band-major in the precision's storage dtype (bfloat16 as its uint16
+    bits); ``steps`` the per-band steps (ones for float32/bfloat16). Everything a decoder on another device
+    needs besides the (cached) plan.
+    """
+
+    plan: TransformPlan
+    dtype: np.dtype
+    precision: str
+    stored: np.ndarray = field(repr=False)
+    steps: np.ndarray = field(repr=False)
+
+
+def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> StoredChunk:
+    """Check a chunk that must hold an array of ``shape`` and ``dtype`` and return its stored values.
 
     Raises :class:`CorruptChunkError` for anything that is not a valid chunk of that shape and dtype.
     """
@@ -353,9 +369,8 @@ def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, thread
         raise CorruptChunkError(f"bad axes in chunk header: {list(header.axes)}")
     if header.n_values != plan.n_values:
         raise CorruptChunkError(f"chunk says {header.n_values} values, its settings give {plan.n_values}")
-    unit = header.precision in ("float32", "bfloat16")
     steps = header.steps
-    if unit:
+    if header.precision in ("float32", "bfloat16"):
         if steps is not None:
             raise CorruptChunkError(f"{header.precision} chunk must not carry steps")
         steps = np.ones(len(plan.bands))
@@ -363,17 +378,25 @@ def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, thread
         raise CorruptChunkError("chunk steps are missing, of the wrong count, or not positive and finite")
     storage = qz.STORAGE_DTYPES[header.precision]
     payload = memoryview(data).cast("B")[header.payload_offset :]
-    _, seg_starts, _ = plan.order
     if header.bitplanes:
-        stored = from_planes(payload, seg_starts, storage)
-        return _reconstruct(stored, steps, plan, header.precision, header.dtype, threads)
-    if len(payload) != header.n_values * storage.itemsize:
-        raise CorruptChunkError(f"chunk payload is {len(payload)} bytes, expected "
-                                f"{header.n_values * storage.itemsize}")
-    stored = np.frombuffer(payload, dtype=storage)
-    if stored.dtype.kind == "f" and not np.all(np.isfinite(stored)):
-        raise CorruptChunkError("chunk holds non-finite coefficients")
-    return _reconstruct(stored, steps, plan, header.precision, header.dtype, threads)
+        stored = from_planes(payload, plan.order[1], storage)
+    else:
+        if len(payload) != header.n_values * storage.itemsize:
+            raise CorruptChunkError(f"chunk payload is {len(payload)} bytes, expected "
+                                    f"{header.n_values * storage.itemsize}")
+        stored = np.frombuffer(payload, dtype=storage)
+        if stored.dtype.kind == "f" and not np.all(np.isfinite(stored)):
+            raise CorruptChunkError("chunk holds non-finite coefficients")
+    return StoredChunk(plan, header.dtype, header.precision, stored, steps)
+
+
+def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, threads: int = 1) -> np.ndarray:
+    """Decode one chunk that must hold an array of ``shape`` and ``dtype``.
+
+    Raises :class:`CorruptChunkError` for anything that is not a valid chunk of that shape and dtype.
+    """
+    chunk = read_stored(data, shape, dtype)
+    return _reconstruct(chunk.stored, chunk.steps, chunk.plan, chunk.precision, chunk.dtype, threads)
 
 
 # ---------------------------------------------------------------------------------------------- zarr codec

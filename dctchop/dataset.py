@@ -1,0 +1,355 @@
+"""A read-only, lazily decoding view of a dctchop store: :func:`open`.
+
+``dctchop.open("images.zarr")`` gives a :class:`Dataset` that indexes like an array along the sample axis
+(``ds[i]``, ``ds[i:j]``, ``ds[[3, 1, 4]]``, ``ds[mask]``) and decodes only the chunks a request touches; the
+store's other arrays (labels, ids, a second lossy array) are reachable by name, ``ds["labels"]``.
+
+Chunks hold many samples, so the view keeps the last few decoded chunks: reading samples in order decodes
+each chunk once. For training, :class:`dctchop.Loader` reads each chunk once per epoch in a shuffled order
+instead of random per-sample access.
+
+Lossy chunks are read straight from their files (zstd frame + crc32c trailer, as the store writes them) and
+decoded with :func:`dctchop.codec.decode_chunk`, whose numba kernels release the GIL, so decoding threads
+run in parallel; :func:`dctchop.codec.read_stored` stops before the inverse transform and returns the stored coefficients
+for decoding elsewhere (``dctchop.torch_decode`` on a torch device). Stores whose arrays use another codec
+pipeline or chunk key layout are decoded through Zarr instead.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from dctchop.codec import DctChopCodec, StoredChunk, decode_chunk, read_stored
+from dctchop.errors import CorruptChunkError, DctchopError
+from dctchop.inspect import open_store
+from dctchop.store import unframe
+from dctchop.transform import resolve_threads
+
+__all__ = ["ArrayView", "Dataset", "open"]
+
+CACHED_CHUNKS = 2
+
+
+# ---------------------------------------------------------------------------------------------- chunks
+
+
+class _LossyArray:
+    """Chunk reader for one dctchop-coded array: chunk files -> checked bytes -> decoded samples."""
+
+    def __init__(self, root: Path, name: str, array: zarr.Array) -> None:
+        self.name, self.array = name, array
+        self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+        self.chunk_shape = tuple(array.chunks)
+        self.chunk_len = self.chunk_shape[0]
+        md = array.metadata
+        codecs = tuple(type(c) for c in getattr(md, "codecs", ()))
+        encoding = getattr(md, "chunk_key_encoding", None)
+        self.direct = (codecs == (DctChopCodec, ZstdCodec, Crc32cCodec) and getattr(encoding, "separator", None) == "/"
+                       and self.chunk_shape[1:] == self.shape[1:] and (root / name).is_dir())
+        self._root = root
+        self._md = md
+
+    def chunk_file(self, index: int) -> Path:
+        return self._root / self.name / self._md.encode_chunk_key((index,) + (0,) * (len(self.shape) - 1))
+
+    def raw(self, index: int) -> bytes:
+        """The dctchop-coded bytes of chunk ``index`` (zstd undone, crc32c checked)."""
+        path = self.chunk_file(index)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise DctchopError(f"array {self.name}: chunk {index} is missing ({path}); the store is damaged "
+                               "or incomplete") from None
+        try:
+            return unframe(data)
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): {e}") from None
+
+    def decode(self, index: int) -> np.ndarray:
+        """Samples of chunk ``index`` (the edge chunk trimmed to the array), in the array's dtype."""
+        start, stop = _chunk_bounds(index, self.chunk_len, self.shape[0])
+        if not self.direct:
+            return np.asarray(self.array[start:stop])
+        data = self.raw(index)
+        try:
+            out = decode_chunk(data, self.chunk_shape, self.dtype)
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"array {self.name}: chunk {index}: {e}") from None
+        return out[: stop - start]
+
+    def coded(self, index: int) -> StoredChunk:
+        """Chunk ``index`` before the inverse transform (see :func:`dctchop.codec.read_stored`); padded to the chunk shape."""
+        if not self.direct:
+            raise DctchopError(f"array {self.name} is not stored as dctchop -> zstd -> crc32c chunk files; "
+                               "decode it on the host (no device decode)")
+        data = self.raw(index)
+        try:
+            return read_stored(data, self.chunk_shape, self.dtype)
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"array {self.name}: chunk {index}: {e}") from None
+
+
+class _LosslessArray:
+    """Chunk reader for a losslessly copied array (labels, ids): plain Zarr slices."""
+
+    def __init__(self, name: str, array: zarr.Array, chunk_len: int) -> None:
+        self.name, self.array = name, array
+        self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+        self.chunk_len = chunk_len
+        self.direct = False
+
+    def decode(self, index: int) -> np.ndarray:
+        start, stop = _chunk_bounds(index, self.chunk_len, self.shape[0])
+        return np.asarray(self.array[start:stop])
+
+
+def _chunk_bounds(index: int, chunk_len: int, length: int) -> tuple[int, int]:
+    start = index * chunk_len
+    return start, min(start + chunk_len, length)
+
+
+# ---------------------------------------------------------------------------------------------- views
+
+
+def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
+    """(sample indices, whether axis 0 is kept) for an index along axis 0; IndexError when out of range."""
+    if isinstance(key, (int, np.integer)):
+        i = int(key)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} is out of range for {n} samples")
+        return np.array([i % n]), False
+    if isinstance(key, slice):
+        return np.arange(*key.indices(n)), True
+    if key is Ellipsis:
+        return np.arange(n), True
+    idx = np.asarray(key)
+    if idx.dtype == bool:
+        if idx.shape != (n,):
+            raise IndexError(f"boolean index of shape {idx.shape} does not match {n} samples")
+        return np.flatnonzero(idx), True
+    if idx.dtype.kind not in "iu" or idx.ndim != 1:
+        raise IndexError(f"index samples with an int, a slice, or a 1-D integer or boolean array, got {key!r}")
+    idx = idx.astype(np.int64)
+    bad = (idx < -n) | (idx >= n)
+    if bad.any():
+        raise IndexError(f"index {int(idx[bad][0])} is out of range for {n} samples")
+    return idx % n, True
+
+
+class ArrayView:
+    """One array of a store, indexed along the sample axis (axis 0) and decoded on demand.
+
+    Keeps the last :data:`CACHED_CHUNKS` decoded chunks, so sequential reads decode each chunk once; a
+    request that spans several chunks decodes them on ``threads`` threads.
+    """
+
+    def __init__(self, reader, info: dict | None, threads: int) -> None:
+        self._reader = reader
+        self.info = info or {}
+        self._threads = threads
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self._reader.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._reader.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._reader.dtype
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the array is dctchop-coded (False for lossless copies such as labels)."""
+        return isinstance(self._reader, _LossyArray)
+
+    @property
+    def layout(self) -> str | None:
+        """Layout the compressor inferred (``"NHWC"``, ``"NZYX"``, ...; ``"custom"`` for explicit axes)."""
+        return self.info.get("layout")
+
+    @property
+    def chunk_len(self) -> int:
+        """Samples per chunk along axis 0."""
+        return self._reader.chunk_len
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.shape[0] // self.chunk_len) if self.shape else 1
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError(f"array {self.name} is a scalar")
+        return self.shape[0]
+
+    def chunk(self, index: int) -> np.ndarray:
+        """All samples of chunk ``index`` (read-only; shared with the cache)."""
+        with self._lock:
+            if index in self._cache:
+                self._cache.move_to_end(index)
+                return self._cache[index]
+        out = self._reader.decode(index)
+        out.setflags(write=False)
+        with self._lock:
+            self._cache[index] = out
+            while len(self._cache) > CACHED_CHUNKS:
+                self._cache.popitem(last=False)
+        return out
+
+    def __getitem__(self, key) -> np.ndarray:
+        if not self.shape:
+            return np.asarray(self._reader.array[key])
+        rest = ()
+        if isinstance(key, tuple):
+            key, rest = (key[0], key[1:]) if key else (Ellipsis, ())
+        idx, keep_axis = _sample_index(key, self.shape[0])
+        out = np.empty((idx.size, *self.shape[1:]), dtype=self.dtype)
+        chunk_of = idx // self.chunk_len
+        needed = np.unique(chunk_of)
+        if needed.size > 1 and self._threads > 1:
+            with ThreadPoolExecutor(min(self._threads, needed.size), thread_name_prefix="dctchop-read") as pool:
+                decoded = dict(zip(needed.tolist(), pool.map(self.chunk, needed.tolist())))
+        else:
+            decoded = {int(c): self.chunk(int(c)) for c in needed}
+        for c, data in decoded.items():
+            where = np.flatnonzero(chunk_of == c)
+            out[where] = data[idx[where] - c * self.chunk_len]
+        if not keep_axis:
+            out = out[0]
+            return out[rest] if rest else out
+        return out[(slice(None), *rest)] if rest else out
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[...]
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self) -> str:
+        kind = "lossy" if self.lossy else "lossless"
+        return f"<dctchop array {self.name!r} {kind} {self.dtype}{list(self.shape)}>"
+
+
+class Dataset:
+    """Read-only view of a dctchop store; see :func:`open`.
+
+    ``len``, ``shape``, ``dtype`` and integer/slice/fancy indexing refer to the main array (the store's lossy
+    array, the first one when there are several); ``ds[name]`` is any array of the store as an
+    :class:`ArrayView`. Pickles by path, so it can be handed to worker processes.
+    """
+
+    def __init__(self, path: str | os.PathLike, threads: int | None = None) -> None:
+        self.path = Path(path)
+        self._threads = resolve_threads(threads)
+        group, info = open_store(self.path)
+        self.info = info
+        self.lossy_names = tuple(info["arrays"])
+        self.lossless_names = tuple(n for n in info.get("lossless", []) if n not in info["arrays"])
+        if not self.lossy_names:
+            raise DctchopError(f"{self.path}: the store lists no compressed array")
+        self._views: dict[str, ArrayView] = {}
+        main_chunk = None
+        for name in self.lossy_names:
+            array = self._zarr_array(group, name)
+            reader = _LossyArray(self.path, name, array)
+            main_chunk = main_chunk or reader.chunk_len
+            self._views[name] = ArrayView(reader, info["arrays"][name], self._threads)
+        for name in self.lossless_names:
+            array = self._zarr_array(group, name)
+            self._views[name] = ArrayView(_LosslessArray(name, array, main_chunk), None, self._threads)
+        self.main = self._views[self.lossy_names[0]]
+
+    def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:
+        try:
+            array = group[name]
+        except KeyError:
+            raise DctchopError(f"{self.path}: array {name} is listed in the store's attributes but missing; "
+                               "the store is damaged") from None
+        if not isinstance(array, zarr.Array):
+            raise DctchopError(f"{self.path}: {name} is a group, not an array")
+        return array
+
+    # the main array ------------------------------------------------------------------------------------
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """Names of every array: the lossy ones first, then the lossless copies."""
+        return self.lossy_names + self.lossless_names
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.main.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.main.dtype
+
+    @property
+    def layout(self) -> str | None:
+        return self.main.layout
+
+    @property
+    def chunk_len(self) -> int:
+        return self.main.chunk_len
+
+    @property
+    def n_chunks(self) -> int:
+        return self.main.n_chunks
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def array(self, name: str) -> ArrayView:
+        """The array ``name``; a :class:`DctchopError` listing the store's arrays when there is none."""
+        if name not in self._views:
+            raise DctchopError(f"{self.path} has no array {name!r}; it has: {', '.join(self.arrays)}")
+        return self._views[name]
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self.array(key)
+        return self.main[key]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._views
+
+    def __array__(self, dtype=None, copy=None):
+        return self.main.__array__(dtype)
+
+    def __getstate__(self) -> dict:
+        return {"path": str(self.path), "threads": self._threads}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], state["threads"])
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}: {self._views[n].dtype}{list(self._views[n].shape)}" for n in self.arrays)
+        return f"<dctchop.Dataset {str(self.path)!r} ({parts})>"
+
+
+def open(path: str | os.PathLike, threads: int | None = None) -> Dataset:  # dctchop.open, like builtins.open for files
+    """Open a dctchop store read-only as a lazily decoding :class:`Dataset`.
+
+    Parameters
+    ----------
+    path : str or path-like
+        The store directory (made by ``dctchop compress``).
+    threads : int, optional
+        Threads for requests that span several chunks; default one per core.
+
+    Raises
+    ------
+    DctchopError
+        When ``path`` does not exist, is not a Zarr store, or is not a dctchop store.
+    """
+    return Dataset(path, threads)
+

@@ -1,0 +1,516 @@
+"""The training loader: a dctchop store -> shuffled, decoded, model-ready batches.
+
+Order (SOLAR-style, Sun et al.). Random access per sample would decode a whole chunk per sample, so every
+epoch reads each chunk once: the chunk order is shuffled (seeded by ``seed`` and the epoch), the samples of
+that order are split into contiguous, equal shares (one per rank, then one per DataLoader worker), and each
+share is shuffled within windows of ``window`` consecutive chunks. Every sample appears exactly once per
+epoch; shares are disjoint and together cover the data; a chunk is decoded by at most two shares (the one
+at each boundary). Within a batch, samples are grouped by chunk so each group is one contiguous copy.
+
+Pipeline. Background threads read, check and decode chunks (numba kernels that release the GIL) and turn
+each decoded chunk into the output layout, dtype and normalisation while it is still whole; one more
+thread gathers the samples of each batch into a fresh contiguous array. ``prefetch`` batches are built ahead
+while the training step runs, decoding runs up to ``window`` chunks ahead of the batches, and a decoded
+chunk is dropped after the last batch that uses it.
+
+Device decode. With ``device=`` set, only the stored coefficients of each chunk cross to the device, where
+:mod:`dctchop.torch_decode` runs the inverse transform as batched matmuls; batches are gathered there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numba
+import numpy as np
+
+from dctchop.dataset import Dataset
+from dctchop.errors import DctchopError
+from dctchop.layout import infer_axes
+
+__all__ = ["Loader", "epoch_order"]
+
+OUTPUT_DTYPES = ("float32", "float16", "bfloat16", "uint8")
+LAYOUTS = ("channels_first", "channels_last", "stored")
+CHANNELS_LAST = ("NHWC", "NZYXC")  # store layouts whose last axis is the channel axis
+CHANNELS_FIRST = ("NCHW", "NCZYX")  # ... whose axis 1 is
+DEFAULT_MAX_THREADS = 4
+
+
+def require_torch():
+    """Import torch or raise a :class:`DctchopError` saying how to get it."""
+    try:
+        import torch
+    except ImportError:
+        raise DctchopError("torch is not installed but torch output or a device was asked for; install it "
+                           "with pip install 'dctchop[torch]'") from None
+    return torch
+
+
+# ---------------------------------------------------------------------------------------------- order
+
+
+def epoch_order(n: int, chunk_len: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0, window: int = 4,
+                part: int = 0, parts: int = 1) -> np.ndarray:
+    """Sample indices of one epoch for share ``part`` of ``parts``, in the order they are yielded.
+
+    The same ``(seed, epoch)`` gives the same chunk order on every rank, so the shares of all ranks are
+    disjoint and cover ``range(n)``; each share is then shuffled within windows of ``window`` chunks with a
+    generator seeded by ``(seed, epoch, part, parts)``. Without ``shuffle`` the share is in storage order.
+    """
+    n_chunks = -(-n // chunk_len)
+    chunks = np.random.default_rng([seed, epoch]).permutation(n_chunks) if shuffle else np.arange(n_chunks)
+    sizes = np.minimum(chunk_len, n - chunks * chunk_len)
+    ends = np.cumsum(sizes)
+    begins = ends - sizes
+    lo, hi = n * part // parts, n * (part + 1) // parts
+    first, last = int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(begins, hi, "left"))
+    pieces = []
+    for pos in range(first, last):
+        a, b = max(lo, begins[pos]) - begins[pos], min(hi, ends[pos]) - begins[pos]
+        pieces.append(chunks[pos] * chunk_len + np.arange(a, b, dtype=np.int64))
+    if not pieces:
+        return np.zeros(0, dtype=np.int64)
+    if not shuffle:
+        return np.concatenate(pieces)
+    rng = np.random.default_rng([seed, epoch, 1, part, parts])
+    return np.concatenate([rng.permutation(np.concatenate(pieces[w : w + window]))
+                           for w in range(0, len(pieces), window)])
+
+
+# ---------------------------------------------------------------------------------------------- output specs
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """How one array's decoded samples become batch items: axis order, dtype and normalisation."""
+
+    name: str
+    lossy: bool
+    perm: tuple[int, ...]  # of (sample, *item axes) as stored -> as yielded
+    dtype: str  # output dtype name ("float32", ..., or the stored dtype)
+    item_shape: tuple[int, ...]
+    channel_axis: int | None = None  # in the yielded layout (batch axis = 0)
+    scale: np.ndarray | None = field(default=None, repr=False)  # x * scale + shift, shaped to broadcast
+    shift: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def identity(self) -> bool:
+        return self.perm == tuple(range(len(self.perm))) and self.scale is None
+
+    @property
+    def host_dtype(self) -> np.dtype:
+        """What prepared chunks hold on the host: bfloat16 stays float32 until the batch is gathered."""
+        return np.dtype("float32" if self.dtype == "bfloat16" else self.dtype)
+
+
+def _layout_perm(layout: str | None, ndim: int, target: str) -> tuple[tuple[int, ...], int | None]:
+    """(axis permutation, channel axis of the output) for a stored layout and the requested one."""
+    same = tuple(range(ndim))
+    if layout in CHANNELS_LAST:
+        if target == "channels_first":
+            return (0, ndim - 1, *range(1, ndim - 1)), 1
+        return same, ndim - 1
+    if layout in CHANNELS_FIRST:
+        if target == "channels_last":
+            return (0, *range(2, ndim), 1), ndim - 1
+        return same, 1
+    return same, None
+
+
+def _data_layout(view) -> str | None:
+    """The array's axis layout: as the compressor inferred it, or, for stores made with explicit ``--axes``
+    (layout "custom"), inferred from the shape the same way (the axes transformed do not change it)."""
+    if view.layout not in (None, "custom"):
+        return view.layout
+    try:
+        return infer_axes(view.shape, view.dtype)[1]
+    except DctchopError:
+        return None
+
+
+def _normalisation(mean, std, item_shape: tuple[int, ...], channel_axis: int | None, name: str):
+    """(scale, shift) arrays so that ``x * scale + shift == (x - mean) / std``; None without mean/std."""
+    if mean is None and std is None:
+        return None, None
+    m = np.atleast_1d(np.asarray(0.0 if mean is None else mean, dtype=np.float64))
+    s = np.atleast_1d(np.asarray(1.0 if std is None else std, dtype=np.float64))
+    if m.ndim != 1 or s.ndim != 1:
+        raise DctchopError("mean and std must be numbers or 1-D sequences (one value per channel)")
+    count = max(m.size, s.size)
+    if count > 1:
+        if channel_axis is None:
+            raise DctchopError(f"array {name} has no channel axis (layout without C): give a scalar mean/std")
+        channels = item_shape[channel_axis - 1]
+        if any(v.size not in (1, channels) for v in (m, s)):
+            raise DctchopError(f"mean/std need 1 or {channels} values (the channels of {name}), got "
+                               f"{m.size} and {s.size}")
+    if not np.all(np.isfinite(s) & (s != 0)) or not np.all(np.isfinite(m)):
+        raise DctchopError("std must be finite and non-zero, mean finite")
+    shape = [1] * (len(item_shape) + 1)
+    if count > 1:
+        shape[channel_axis] = -1
+    scale = np.broadcast_to(1.0 / s, (count,)).astype(np.float32).reshape(shape)
+    shift = np.broadcast_to(-m / s, (count,)).astype(np.float32).reshape(shape)
+    return scale, shift
+
+
+@numba.njit(nogil=True, cache=True)
+def _convert(src, out, scale, shift, transpose, channel_in_a):  # pragma: no cover - compiled
+    """``out = float32(src) * scale[channel] + shift[channel]`` over ``src`` viewed as (n, a, b), written as
+    (n, b, a) when ``transpose``: cast, channel move and normalisation in one pass."""
+    n, a_len, b_len = src.shape
+    for i in range(n):
+        if transpose:
+            for b in range(b_len):
+                for a in range(a_len):
+                    c = a if channel_in_a else b
+                    out[i, b, a] = np.float32(src[i, a, b]) * scale[c] + shift[c]
+        else:
+            for a in range(a_len):
+                for b in range(b_len):
+                    c = a if channel_in_a else b
+                    out[i, a, b] = np.float32(src[i, a, b]) * scale[c] + shift[c]
+
+
+def _prepare_host(x: np.ndarray, spec: OutputSpec) -> np.ndarray:
+    """Decoded samples (stored layout and dtype) -> the spec's layout, dtype and normalisation."""
+    if spec.identity and x.dtype == spec.host_dtype:
+        return x
+    n = x.shape[0]
+    out = np.empty((n, *spec.item_shape), dtype=np.float32 if spec.host_dtype == np.float32 else spec.host_dtype)
+    if out.dtype == np.float32 and x.dtype != np.float16:  # numba has no float16 arrays
+        ndim = x.ndim
+        transpose = spec.perm != tuple(range(ndim))
+        channels_first_stored = spec.perm[-1] == 1 if transpose else spec.channel_axis == 1
+        if spec.channel_axis is None:
+            src = x.reshape(n, -1, 1)
+        elif channels_first_stored:
+            src = x.reshape(n, x.shape[1], -1)
+        else:
+            src = x.reshape(n, -1, x.shape[-1])
+        channels = 1 if spec.channel_axis is None else (src.shape[1] if channels_first_stored else src.shape[2])
+        scale = np.ones(channels, np.float32) if spec.scale is None else np.broadcast_to(spec.scale.ravel(), channels)
+        shift = np.zeros(channels, np.float32) if spec.shift is None else np.broadcast_to(spec.shift.ravel(), channels)
+        dst = out.reshape(n, src.shape[2], src.shape[1]) if transpose else out.reshape(src.shape)
+        _convert(src, dst, np.ascontiguousarray(scale), np.ascontiguousarray(shift), transpose, channels_first_stored)
+        return out
+    work = np.dtype(np.float32) if spec.scale is not None else out.dtype
+    tmp = out if work == out.dtype else np.empty(out.shape, dtype=work)
+    np.copyto(tmp, x.transpose(spec.perm), casting="unsafe")
+    if spec.scale is not None:
+        tmp *= spec.scale
+        tmp += spec.shift
+    if tmp is not out:
+        out[...] = tmp
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- loader
+
+
+@dataclass
+class _Batch:
+    samples: np.ndarray  # sample indices, grouped by chunk
+    groups: list[tuple[int, int, int]]  # (chunk, lo, hi): samples[lo:hi] come from chunk
+
+
+class Loader:
+    """Shuffled, decoded batches from a dctchop store, built in background threads.
+
+    Iterating yields ``(x, y)`` (the lossy array and ``labels``), just ``x`` when the store has no labels,
+    or one item per name in ``arrays``. Each batch is a fresh contiguous array (numpy by default, torch
+    tensors with ``output="torch"`` or a ``device``). Call :meth:`set_epoch` before each epoch.
+
+    Parameters
+    ----------
+    path : str, path-like or Dataset
+        The store.
+    batch_size : int
+        Samples per batch (the last one may be short unless ``drop_last``).
+    shuffle : bool
+        Shuffle the chunk order and the samples within windows of chunks; False reads in storage order.
+    seed : int
+        With the epoch, fixes the order: the same on every run and every rank.
+    drop_last : bool
+        Drop this share's last, short batch.
+    arrays : sequence of str, optional
+        Arrays to yield, in order; default the lossy array plus ``labels`` when the store has it.
+    dtype : {"float32", "float16", "bfloat16", "uint8"} or None
+        Dtype of lossy arrays in the batches (None: as stored). ``bfloat16`` needs torch output; ``uint8``
+        needs uint8 data and no normalisation. Lossless arrays (labels) keep their dtype.
+    layout : {"channels_first", "channels_last", "stored"}
+        Axis order of image/volume arrays with channels (stored as NHWC, NCHW, NZYXC or NCZYX); arrays
+        without a channel axis are yielded as stored.
+    mean, std : float or sequence of float, optional
+        Normalise the first lossy array: ``(x - mean) / std`` per channel (or one value for all), in the
+        data's units (0..255 for uint8 images).
+    window : int
+        Chunks shuffled together. More mixes better and holds more decoded chunks in memory.
+    prefetch : int
+        Batches built ahead of the one being consumed.
+    threads : int, optional
+        Decoding threads; default one per core, at most 4.
+    rank, world_size : int
+        This process's share in distributed training: shares of all ranks are disjoint and cover the data.
+    output : {"numpy", "torch"}
+        Array type of the batches. A ``device`` implies torch.
+    device : str or torch.device, optional
+        Where batches go. With ``device_decode`` (default) only the stored coefficients are copied there
+        and decoded by matmuls on the device; otherwise batches are decoded on the host into pinned memory
+        (for CUDA) and copied.
+    worker, num_workers : int
+        Sub-shares of this rank's share (:class:`dctchop.TorchDataset` sets these in DataLoader workers).
+
+    Raises
+    ------
+    DctchopError
+        For a path that is not a dctchop store, unknown arrays, bad sizes or options, a device that does not
+        exist, or torch output without torch installed.
+    """
+
+    def __init__(self, path, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
+                 arrays: Sequence[str] | None = None, dtype: str | None = "float32", layout: str = "channels_first",
+                 mean=None, std=None, window: int = 4, prefetch: int = 2, threads: int | None = None,
+                 rank: int = 0, world_size: int = 1, output: str = "numpy", device=None,
+                 device_decode: bool = True, worker: int = 0, num_workers: int = 1) -> None:
+        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.window = _positive_int(window, "window")
+        self.prefetch = _positive_int(prefetch, "prefetch")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.threads = min(cores, DEFAULT_MAX_THREADS) if threads is None else _positive_int(threads, "threads")
+        self.world_size = _positive_int(world_size, "world_size")
+        self.num_workers = _positive_int(num_workers, "num_workers")
+        for value, limit, what, total in ((rank, world_size, "rank", "world_size"),
+                                          (worker, num_workers, "worker", "num_workers")):
+            if not isinstance(value, (int, np.integer)) or not 0 <= value < limit:
+                raise DctchopError(f"{what} must be in 0..{limit - 1} for {total}={limit}, got {value!r}")
+        self.rank, self.worker = int(rank), int(worker)
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise DctchopError(f"seed must be a non-negative integer, got {seed!r}")
+        self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
+        if output not in ("numpy", "torch"):
+            raise DctchopError(f"output must be 'numpy' or 'torch', got {output!r}")
+        self.torch = output == "torch" or device is not None
+        self.device = None
+        if self.torch:
+            require_torch()
+            if device is not None:
+                from dctchop.torch_decode import resolve_device
+
+                self.device = resolve_device(device)
+        self.device_decode = bool(device_decode) and self.device is not None
+        if layout not in LAYOUTS:
+            raise DctchopError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if dtype is not None:
+            dtype = str(dtype).removeprefix("torch.")
+            if dtype not in OUTPUT_DTYPES:
+                raise DctchopError(f"dtype must be one of {', '.join(OUTPUT_DTYPES)} or None, got {dtype!r}")
+            if dtype == "bfloat16" and not self.torch:
+                raise DctchopError("dtype bfloat16 needs output='torch' (numpy has no bfloat16)")
+        self.dataset = path if isinstance(path, Dataset) else Dataset(path, threads=1)
+        self.names = self._choose_arrays(arrays)
+        first = next((n for n in self.names if self.dataset.array(n).lossy), None)
+        self.specs = [self._spec(name, name == first, dtype, layout, mean, std) for name in self.names]
+        self._views = [self.dataset.array(name) for name in self.names]
+        if self.device_decode and not all(v._reader.direct for v, s in zip(self._views, self.specs) if s.lossy):
+            raise DctchopError("device decode needs arrays stored as dctchop chunk files; pass device_decode=False")
+        self.epoch = 0
+
+    # setup ---------------------------------------------------------------------------------------------
+    def _choose_arrays(self, arrays) -> list[str]:
+        ds = self.dataset
+        if arrays is None:
+            names = [ds.lossy_names[0]] + (["labels"] if "labels" in ds.lossless_names else [])
+        else:
+            names = [arrays] if isinstance(arrays, str) else list(arrays)
+            if not names:
+                raise DctchopError("arrays names no array")
+            for name in names:
+                ds.array(name)  # raises naming the store's arrays
+        n = len(ds)
+        for name in names:
+            view = ds.array(name)
+            if not view.shape or view.shape[0] != n:
+                raise DctchopError(f"array {name} has shape {list(view.shape)}; the loader needs {n} samples along "
+                                   f"axis 0 like {ds.main.name}")
+            if view.lossy and view.chunk_len != ds.chunk_len:
+                raise DctchopError(f"array {name} is chunked by {view.chunk_len} samples, {ds.main.name} by "
+                                   f"{ds.chunk_len}; the loader needs them aligned")
+        return names
+
+    def _spec(self, name: str, first: bool, dtype, layout: str, mean, std) -> OutputSpec:
+        view = self.dataset.array(name)
+        ndim = len(view.shape)
+        if not view.lossy:
+            return OutputSpec(name, False, tuple(range(ndim)), str(view.dtype), view.shape[1:])
+        perm, channel_axis = _layout_perm(_data_layout(view), ndim, layout)
+        item_shape = tuple(view.shape[p] for p in perm[1:])
+        scale, shift = _normalisation(mean, std, item_shape, channel_axis, name) if first else (None, None)
+        out = str(view.dtype) if dtype is None else dtype
+        if out == "uint8" and (view.dtype != np.uint8 or scale is not None):
+            raise DctchopError(f"dtype uint8 needs uint8 data without mean/std ({name} is {view.dtype})")
+        if scale is not None and np.dtype(out if out != "bfloat16" else "float32").kind != "f":
+            raise DctchopError(f"mean/std need a floating-point dtype, got {out}")
+        return OutputSpec(name, True, perm, out, item_shape, channel_axis, scale, shift)
+
+    # order ---------------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` from now on (call it before each epoch, like ``DistributedSampler``)."""
+        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise DctchopError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self.epoch = int(epoch)
+
+    @property
+    def _part(self) -> tuple[int, int]:
+        return self.rank * self.num_workers + self.worker, self.world_size * self.num_workers
+
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        """Sample indices this loader yields in ``epoch`` (default: the current one), in order (within a
+        batch the loader then groups them by chunk)."""
+        part, parts = self._part
+        return epoch_order(len(self.dataset), self.dataset.chunk_len, shuffle=self.shuffle, seed=self.seed,
+                           epoch=self.epoch if epoch is None else epoch, window=self.window, part=part, parts=parts)
+
+    @property
+    def n_samples(self) -> int:
+        """Samples in this loader's share of an epoch."""
+        part, parts = self._part
+        n = len(self.dataset)
+        return n * (part + 1) // parts - n * part // parts
+
+    def __len__(self) -> int:
+        m = self.n_samples
+        return m // self.batch_size if self.drop_last else -(-m // self.batch_size)
+
+    # iteration -----------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator:
+        return self._run(self.epoch)
+
+    def _batches(self, order: np.ndarray) -> list[_Batch]:
+        chunk_len = self.dataset.chunk_len
+        out = []
+        for b in range(len(self)):
+            samples = order[b * self.batch_size : (b + 1) * self.batch_size]
+            chunks = samples // chunk_len
+            by_chunk = np.argsort(chunks, kind="stable")
+            samples, chunks = samples[by_chunk], chunks[by_chunk]
+            cuts = np.flatnonzero(np.diff(chunks)) + 1
+            los, his = np.r_[0, cuts], np.r_[cuts, samples.size]
+            out.append(_Batch(samples, [(int(chunks[lo]), int(lo), int(hi)) for lo, hi in zip(los, his)]))
+        return out
+
+    def _run(self, epoch: int) -> Iterator:
+        batches = self._batches(self.indices(epoch))
+        if not batches:
+            return
+        schedule = list(dict.fromkeys(c for b in batches for c, _, _ in b.groups))
+        position = {c: i for i, c in enumerate(schedule)}
+        last_use = {c: i for i, b in enumerate(batches) for c, _, _ in b.groups}
+        release: list[list[int]] = [[] for _ in batches]
+        for c, i in last_use.items():
+            release[i].append(c)
+        ahead = max(self.window, self.threads)
+        decode_pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dctchop-decode")
+        batch_pool = ThreadPoolExecutor(1, thread_name_prefix="dctchop-batch")
+        device_stage = self._device_stage() if self.device_decode else None
+        chunk_futures: dict[int, Future] = {}
+        pending: deque[Future] = deque()
+        next_chunk = submitted = 0
+        try:
+            for k in range(len(batches)):
+                while submitted < len(batches) and submitted <= k + self.prefetch:
+                    batch = batches[submitted]
+                    until = min(len(schedule), max(position[c] for c, _, _ in batch.groups) + 1 + ahead)
+                    while next_chunk < until:
+                        c = schedule[next_chunk]
+                        chunk_futures[c] = decode_pool.submit(self._load_chunk, c)
+                        next_chunk += 1
+                    needed = {c: chunk_futures[c] for c, _, _ in batch.groups}
+                    pending.append(batch_pool.submit(self._assemble, batch, needed, release[submitted],
+                                                     device_stage))
+                    submitted += 1
+                result = pending.popleft().result()
+                for c in release[k]:
+                    chunk_futures.pop(c, None)
+                yield result
+        finally:
+            for f in (*pending, *chunk_futures.values()):
+                f.cancel()
+            decode_pool.shutdown(wait=False, cancel_futures=True)
+            batch_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _load_chunk(self, c: int) -> dict:
+        """Runs in a decoding thread: chunk ``c`` of every array, prepared for gathering (or still coded for
+        device decode)."""
+        loaded = {}
+        for spec, view in zip(self.specs, self._views):
+            if spec.lossy and self.device_decode:
+                loaded[spec.name] = view._reader.coded(c)
+            elif spec.lossy:
+                loaded[spec.name] = _prepare_host(view._reader.decode(c), spec)
+            else:
+                loaded[spec.name] = view._reader.decode(c)
+        return loaded
+
+    def _assemble(self, batch: _Batch, futures: dict[int, Future], release: list[int], device_stage):
+        """Runs in the batch thread: gather one batch from its (prepared) chunks into fresh arrays."""
+        chunks = {c: f.result() for c, f in futures.items()}
+        chunk_len = self.dataset.chunk_len
+        if device_stage is not None:
+            device_stage.prepare(chunks)
+        out = []
+        for spec in self.specs:
+            if device_stage is not None and spec.lossy:
+                out.append(device_stage.gather(spec, batch, chunk_len))
+                continue
+            shape = (batch.samples.size, *spec.item_shape)
+            buffer, tensor = self._host_buffer(shape, spec.host_dtype)
+            for c, lo, hi in batch.groups:
+                np.take(chunks[c][spec.name], batch.samples[lo:hi] - c * chunk_len, axis=0, out=buffer[lo:hi],
+                        mode="clip")
+            out.append(self._to_output(buffer, tensor, spec))
+        if device_stage is not None:
+            device_stage.release(release)
+        return tuple(out) if len(out) > 1 else out[0]
+
+    # torch ---------------------------------------------------------------------------------------------
+    def _host_buffer(self, shape, dtype: np.dtype):
+        """A numpy array to gather into; backed by pinned torch memory when batches go to a CUDA device."""
+        if self.device is not None and self.device.type == "cuda":
+            torch = require_torch()
+            tensor = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
+            return tensor.numpy(), tensor
+        return np.empty(shape, dtype=dtype), None
+
+    def _to_output(self, buffer: np.ndarray, tensor, spec: OutputSpec):
+        if not self.torch:
+            return buffer
+        torch = require_torch()
+        tensor = torch.from_numpy(buffer) if tensor is None else tensor
+        if spec.dtype == "bfloat16":
+            tensor = tensor.to(torch.bfloat16)
+        if self.device is not None and tensor.device != self.device:
+            tensor = tensor.to(self.device, non_blocking=True)
+        return tensor
+
+    def _device_stage(self):
+        from dctchop.torch_decode import DeviceStage
+
+        return DeviceStage(self.device, [s for s in self.specs if s.lossy], len(self.dataset), self.dataset.chunk_len)
+
+    # misc ----------------------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        part, parts = self._part
+        return (f"<dctchop.Loader {str(self.dataset.path)!r} arrays={self.names} batch_size={self.batch_size} "
+                f"epoch={self.epoch} share {part + 1}/{parts}: {self.n_samples} samples, {len(self)} batches>")
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise DctchopError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)

@@ -1,0 +1,368 @@
+"""The torch side of the loader: decoding on a device, and the ``torch.utils.data`` adapter.
+
+Imported only when torch output or a device is asked for (``import dctchop`` never imports torch).
+
+Device decode. Only the stored values of a chunk (int8/int16/float16/bfloat16/float32, band-major, as they
+come out of zstd) and its per-band steps cross to the device. The inverse transform then runs there as one
+batched matmul per *block group*: the chunk's blocks that share a shape (all full blocks; the edge blocks of
+each axis; ...). The storage order makes each group's values a contiguous ``(bands, blocks)`` matrix, so the
+group decodes as ``basisᵀ @ (steps * values)``, where row ``u`` of ``basis`` is the outer product of the
+per-axis DCT rows of band ``u`` (the edge blocks' own shorter DCTs included); the triangle mask simply has
+fewer rows. The result is scattered into the chunk with one strided copy per group, then rounded and
+clipped for integer dtypes exactly like :func:`dctchop.transform.inverse` (floor(v + 0.5), clip to range).
+It equals the numba path up to float32 summation order (tests check this on CPU torch). On CUDA, matmuls
+follow torch's float32 matmul precision: with TF32 enabled (``torch.set_float32_matmul_precision("high")``)
+decoded values carry TF32 rounding (about 1e-3 relative).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from dctchop.codec import StoredChunk
+from dctchop.errors import DctchopError
+from dctchop.transform import TransformPlan, dct_matrix, make_plan, work_dtype
+
+__all__ = ["BlockGroup", "DeviceDecoder", "DeviceStage", "TorchDataset", "block_groups", "decode_on_device",
+           "resolve_device"]
+
+_STORAGE_TORCH = {"int8": torch.int8, "int16": torch.int16, "float16": torch.float16, "float32": torch.float32,
+                  "bfloat16": torch.int16}  # bfloat16 bits travel as int16 and are reinterpreted on the device
+
+
+def resolve_device(device) -> torch.device:
+    """A torch device that exists here; :class:`DctchopError` naming the problem otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise DctchopError(f"device {device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DctchopError(f"device {device!r} does not exist: {why} (torch {torch.__version__})")
+        count = torch.cuda.device_count()
+        if (dev.index or 0) >= count:
+            raise DctchopError(f"device {device!r} does not exist: {count} CUDA device(s) visible")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise DctchopError(f"device {device!r} does not exist: MPS is not available")
+    elif dev.type != "cpu":
+        try:
+            torch.empty(1, device=dev)
+        except Exception as e:  # noqa: BLE001 - each backend raises its own type
+            raise DctchopError(f"device {device!r} is not usable ({type(e).__name__}: {e})") from None
+    return dev
+
+
+# ---------------------------------------------------------------------------------------------- block groups
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    """The blocks of a chunk that share one shape, and where their values and samples are.
+
+    Stored values ``[start, start + n_bands * n_blocks)`` form a ``(n_bands, n_blocks)`` matrix (band-major;
+    blocks in C order over ``grid``, which is the chunk shape with each transformed axis replaced by its
+    number of blocks in this group). ``region`` selects the samples the group covers.
+    """
+
+    start: int
+    n_blocks: int
+    band_index: np.ndarray = field(repr=False)  # (n_bands,) index into plan.bands, i.e. into the steps
+    basis: np.ndarray = field(repr=False)  # (n_bands, prod(widths)) float64
+    grid: tuple[int, ...]
+    widths: tuple[int, ...]
+    region: tuple[slice, ...]
+
+    @property
+    def n_bands(self) -> int:
+        return int(self.band_index.size)
+
+
+def _in_triangle(band, keeps) -> bool:
+    """The triangle mask's rule ``sum_d band_d / keep_d < 1`` in integers (as in dctchop.transform)."""
+    return sum(b * math.prod(k for e, k in enumerate(keeps) if e != d) for d, b in enumerate(band)) < math.prod(keeps)
+
+
+@lru_cache(maxsize=32)
+def _block_groups(shape, axes, block, keep, mask) -> tuple[BlockGroup, ...]:
+    plan = make_plan(shape, axes, block, keep, mask)
+    groups, pos = [], 0
+    for g in range(1 << len(axes)):  # the same group order as the storage order (bit d: edge block on axis d)
+        widths, keeps, counts, offsets = [], [], [], []
+        for d, p in enumerate(plan.axis_plans):
+            full, rest = divmod(p.length, p.block)
+            if (g >> d) & 1:
+                widths.append(rest), keeps.append(min(rest, -(-rest * p.keep // p.block)) if rest else 0)
+                counts.append(1 if rest else 0), offsets.append(full * p.block)
+            else:
+                widths.append(p.block), keeps.append(p.keep), counts.append(full), offsets.append(0)
+        if not all(counts):
+            continue
+        bands = [u for u, b in enumerate(plan.bands)
+                 if all(b[d] < keeps[d] for d in range(len(axes))) and (mask != "triangle" or _in_triangle(b, keeps))]
+        rows = [dct_matrix(w) for w in widths]
+        basis = np.empty((len(bands), math.prod(widths)))
+        for r, u in enumerate(bands):
+            outer = np.ones(())
+            for d, b in enumerate(plan.bands[u]):
+                outer = np.multiply.outer(outer, rows[d][b])
+            basis[r] = outer.ravel()
+        grid = list(shape)
+        region = [slice(None)] * len(shape)
+        for d, a in enumerate(axes):
+            grid[a] = counts[d]
+            region[a] = slice(offsets[d], offsets[d] + counts[d] * widths[d])
+        n_blocks = math.prod(grid)
+        groups.append(BlockGroup(pos, n_blocks, np.asarray(bands, dtype=np.int64), basis, tuple(grid),
+                                 tuple(widths), tuple(region)))
+        pos += len(bands) * n_blocks
+    # the storage order is defined in dctchop.transform; refuse to decode if this reading of it disagrees
+    _, seg_starts, seg_bands = plan.order
+    bands = np.concatenate([grp.band_index for grp in groups]) if groups else np.zeros(0, np.int64)
+    starts = [grp.start + i * grp.n_blocks for grp in groups for i in range(grp.n_bands)] + [pos]
+    if pos != plan.n_values or not np.array_equal(bands, seg_bands) or not np.array_equal(starts, seg_starts):
+        raise DctchopError(f"internal error: block groups disagree with the storage order for {plan}")
+    return tuple(groups)
+
+
+def block_groups(plan: TransformPlan) -> tuple[BlockGroup, ...]:
+    """The block groups of ``plan`` in storage order (cached per setting)."""
+    return _block_groups(plan.shape, plan.axes, plan.block, plan.keep, plan.mask)
+
+
+# ---------------------------------------------------------------------------------------------- decoder
+
+
+class DeviceDecoder:
+    """Inverse transform of stacked chunks of one plan on a torch device (see module docs).
+
+    Parameters
+    ----------
+    plan : TransformPlan
+        The chunks' plan (every chunk of an array has the same one).
+    dtype : numpy dtype
+        The array's dtype; decoding works in float64 for float64 data, else float32 (like the numba path),
+        and returns that work dtype with integer dtypes already rounded and clipped.
+    device : torch.device
+    """
+
+    def __init__(self, plan: TransformPlan, dtype, device: torch.device) -> None:
+        self.plan, self.dtype, self.device = plan, np.dtype(dtype), torch.device(device)
+        self.work = torch.float64 if work_dtype(self.dtype) == np.float64 else torch.float32
+        self.groups = block_groups(plan)
+        self._basis = [torch.as_tensor(g.basis, dtype=self.work, device=self.device) for g in self.groups]
+        self._bands = [torch.as_tensor(g.band_index, device=self.device) for g in self.groups]
+        self._perms, self._unflatten = [], []
+        ndim, n_axes = len(plan.shape), len(plan.axes)
+        for g in self.groups:
+            # Y: (chunks, *widths, *grid) -> region view: (chunks, per axis: grid_i [, width_d])
+            perm = [0]
+            for i in range(ndim):
+                perm.append(1 + n_axes + i)
+                if i in plan.axes:
+                    perm.append(1 + plan.axes.index(i))
+            self._perms.append(perm)
+            self._unflatten.append([(1 + a, (g.grid[a], g.widths[d])) for d, a in reversed(list(enumerate(plan.axes)))])
+        if self.dtype.kind in "iu":
+            info = np.iinfo(self.dtype)
+            self._clip = (float(info.min), float(info.max))
+        else:
+            self._clip = None
+
+    def upload(self, chunks: list[StoredChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored values ``(n, n_values)`` and steps ``(n, n_bands)`` of ``chunks`` on the device: only these cross.
+
+        From pinned host memory, asynchronously, when the device is a GPU.
+        """
+        precision = chunks[0].precision
+        if any(c.precision != precision or plan_key(c.plan) != plan_key(self.plan) for c in chunks):
+            raise DctchopError("chunks decoded together must share one plan and precision")
+        pin = self.device.type == "cuda"
+        stored = torch.empty((len(chunks), self.plan.n_values), dtype=_STORAGE_TORCH[precision], pin_memory=pin)
+        view = stored.numpy()
+        for i, c in enumerate(chunks):
+            view[i] = c.stored.view(view.dtype)
+        steps = torch.from_numpy(np.stack([c.steps for c in chunks]))
+        if pin:
+            steps = steps.pin_memory()
+        stored = stored.to(self.device, non_blocking=True)
+        if precision == "bfloat16":
+            stored = stored.view(torch.bfloat16)
+        return stored, steps.to(self.device, dtype=self.work, non_blocking=True)
+
+    def __call__(self, stored: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` steps into ``(n, *chunk_shape)``."""
+        n = stored.shape[0]
+        values = stored.to(self.work)
+        out = torch.empty((n, *self.plan.shape), dtype=self.work, device=self.device)
+        for g, basis, bands, perm, unflatten in zip(self.groups, self._basis, self._bands, self._perms,
+                                                    self._unflatten):
+            block_values = values[:, g.start : g.start + g.n_bands * g.n_blocks].view(n, g.n_bands, g.n_blocks)
+            scaled = steps[:, bands, None] * basis  # (n, bands, volume): dequantization folded into the basis
+            y = torch.matmul(scaled.transpose(1, 2), block_values)  # (n, volume, blocks)
+            y = y.view(n, *g.widths, *g.grid).permute(perm)
+            target = out[(slice(None), *g.region)]
+            for dim, sizes in unflatten:
+                target = target.unflatten(dim, sizes)
+            target.copy_(y)
+        if self._clip is not None:
+            out.add_(0.5).floor_().clamp_(*self._clip)
+        elif self.dtype == np.float16:
+            out = out.to(torch.float16).to(self.work)
+        return out
+
+    def decode(self, chunks: list[StoredChunk]) -> torch.Tensor:
+        """Upload and decode ``chunks`` (one plan): ``(len(chunks), *chunk_shape)`` on the device."""
+        return self(*self.upload(chunks))
+
+
+def plan_key(plan: TransformPlan) -> tuple:
+    """What identifies a plan (plans are cached, but compare by value, not identity)."""
+    return plan.shape, plan.axes, plan.block, plan.keep, plan.mask
+
+
+@lru_cache(maxsize=16)
+def _decoder(key, dtype: str, device: str) -> DeviceDecoder:
+    return DeviceDecoder(make_plan(*key), dtype, torch.device(device))
+
+
+def decoder_for(plan: TransformPlan, dtype, device) -> DeviceDecoder:
+    """A cached :class:`DeviceDecoder` (its basis matrices live on the device)."""
+    return _decoder(plan_key(plan), str(np.dtype(dtype)), str(device))
+
+
+def decode_on_device(chunks: list[StoredChunk], device) -> torch.Tensor:
+    """Decode coded chunks on ``device``: ``(len(chunks), *chunk_shape)``; chunks that share a plan and a
+    precision (normally all of them) are decoded in one batched call."""
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(chunks):
+        groups.setdefault((plan_key(c.plan), c.precision, str(c.dtype)), []).append(i)
+    decoded = {}
+    for members in groups.values():
+        first = chunks[members[0]]
+        out = decoder_for(first.plan, first.dtype, device).decode([chunks[i] for i in members])
+        if len(groups) == 1:
+            return out
+        decoded.update({i: out[j] for j, i in enumerate(members)})
+    return torch.stack([decoded[i] for i in range(len(chunks))])
+
+
+# ---------------------------------------------------------------------------------------------- loader stage
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a numpy dtype name, or bfloat16."""
+    return torch.bfloat16 if name == "bfloat16" else torch.from_numpy(np.empty(0, np.dtype(name))).dtype
+
+
+class DeviceStage:
+    """The device half of the loader's batch thread: decode coded chunks on the device, bring them to the
+    output layout, dtype and normalisation once per chunk, and gather batches there.
+
+    Owned by one thread; everything runs on that device's current stream, so batches handed to the training
+    loop are ordered before whatever it launches next on the same stream.
+    """
+
+    def __init__(self, device: torch.device, specs, n_samples: int, chunk_len: int) -> None:
+        self.device, self.specs = device, specs
+        self.n_samples, self.chunk_len = n_samples, chunk_len
+        self.chunks: dict[int, dict[str, torch.Tensor]] = {}
+        self._norm = {s.name: (torch.as_tensor(s.scale, device=device), torch.as_tensor(s.shift, device=device))
+                      for s in specs if s.scale is not None}
+
+    def prepare(self, loaded: dict[int, dict]) -> None:
+        """Decode the chunks of ``loaded`` that are not on the device yet (one batched call per array)."""
+        new = [c for c in loaded if c not in self.chunks]
+        if not new:
+            return
+        for spec in self.specs:
+            decoded = decode_on_device([loaded[c][spec.name] for c in new], self.device)
+            for i, c in enumerate(new):
+                n = min(self.chunk_len, self.n_samples - c * self.chunk_len)
+                x = decoded[i, :n].permute(spec.perm)
+                if spec.name in self._norm:
+                    scale, shift = self._norm[spec.name]
+                    x = x.to(torch.float32) * scale + shift
+                self.chunks.setdefault(c, {})[spec.name] = x.to(torch_dtype(spec.dtype)).contiguous()
+
+    def gather(self, spec, batch, chunk_len: int) -> torch.Tensor:
+        """One contiguous batch of ``spec``'s array from the decoded chunks."""
+        local = np.concatenate([batch.samples[lo:hi] - c * chunk_len for c, lo, hi in batch.groups])
+        index = torch.from_numpy(local)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)
+        out = torch.empty((local.size, *spec.item_shape), dtype=torch_dtype(spec.dtype), device=self.device)
+        for c, lo, hi in batch.groups:
+            torch.index_select(self.chunks[c][spec.name], 0, index[lo:hi], out=out[lo:hi])
+        return out
+
+    def release(self, chunks) -> None:
+        """Forget chunks no later batch needs."""
+        for c in chunks:
+            self.chunks.pop(c, None)
+
+
+# ---------------------------------------------------------------------------------------------- DataLoader adapter
+
+
+class TorchDataset(torch.utils.data.IterableDataset):
+    """A :class:`dctchop.Loader` as a torch ``IterableDataset`` of whole batches.
+
+    Use it with ``DataLoader(ds, batch_size=None, num_workers=k)``: each worker process iterates its own
+    disjoint part of this rank's share of the epoch (the parts together are the share, every sample
+    once), decoding on its own threads, and yields torch tensors. Batches are formed inside each worker,
+    so each worker's last batch may be short (or dropped with ``drop_last``).
+
+    Call :meth:`set_epoch` before each epoch (workers are started per epoch unless ``persistent_workers``,
+    which would keep the epoch they started with). Decoding happens on the host in the workers; let the
+    DataLoader pin (``pin_memory=True``) and move batches to the GPU, or use :class:`dctchop.Loader` with
+    ``device=`` in the main process for device decode.
+
+    Parameters
+    ----------
+    path, batch_size, shuffle, seed, drop_last
+        As for :class:`dctchop.Loader`.
+    **options
+        Any other :class:`dctchop.Loader` option except ``device``, ``output``, ``worker`` and
+        ``num_workers``; ``threads`` defaults to 1 per worker.
+    """
+
+    def __init__(self, path, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 **options) -> None:
+        super().__init__()
+        from dctchop.loader import Loader
+
+        for name in ("device", "output", "worker", "num_workers"):
+            if name in options:
+                raise DctchopError(f"TorchDataset does not take {name}= (workers decode on the host and "
+                                   "yield torch tensors)")
+        options.setdefault("threads", 1)
+        self._args = dict(path=str(path), batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                          output="torch", **options)
+        Loader(**self._args)  # check every setting here, not in the workers
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose order the next iteration uses (as with ``DistributedSampler``)."""
+        self.epoch = int(epoch)
+
+    def loader(self, worker: int = 0, num_workers: int = 1):
+        """The :class:`dctchop.Loader` of one worker's part."""
+        from dctchop.loader import Loader
+
+        loader = Loader(**self._args, worker=worker, num_workers=num_workers)
+        loader.set_epoch(self.epoch)
+        return loader
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(self.loader(worker, num_workers))

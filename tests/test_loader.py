@@ -1,0 +1,409 @@
+"""The dataset view (dctchop.open), the training Loader, device decode and the torch DataLoader adapter."""
+
+from __future__ import annotations
+
+import glob
+import runpy
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+
+import dctchop
+from dctchop.codec import ChunkSettings, decode_chunk, encode_chunk, read_header, read_stored
+from dctchop.errors import CorruptChunkError, DctchopError
+from dctchop.formats import open_source
+from dctchop.loader import epoch_order
+from dctchop.store import CompressOptions, Target, compress
+
+try:
+    import torch
+except ImportError:  # the numpy paths are tested without torch; the torch ones are skipped
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+ROOT = Path(__file__).resolve().parents[1]
+N_IMAGES = 600
+CHUNK = 64  # 10 chunks, the last one short (24 samples)
+
+
+# ---------------------------------------------------------------------------------------------- stores
+
+
+@pytest.fixture(scope="module")
+def image_store(tmp_path_factory):
+    """600 sample images (NHWC uint8) + labels + each sample's index as a lossless array."""
+    d = tmp_path_factory.mktemp("images")
+    with h5py.File(ROOT / "sample_data/images.h5") as f:
+        images, labels = f["images"][:N_IMAGES], f["labels"][:N_IMAGES]
+    with h5py.File(d / "in.h5", "w") as f:
+        f["images"], f["labels"], f["index"] = images, labels, np.arange(N_IMAGES)
+    compress(open_source(str(d / "in.h5")), d / "images.zarr", CompressOptions(chunk_samples=CHUNK, workers=2))
+    return d / "images.zarr"
+
+
+@pytest.fixture(scope="module")
+def field_store(tmp_path_factory):
+    """40 float32 (Z, Y, X) = (16, 12, 20) samples cut from the bundled field (edge blocks on Y and X), as .npy:
+    one array named "data" and no labels."""
+    d = tmp_path_factory.mktemp("fields")
+    field = np.load(ROOT / "sample_data/field.npy")
+    np.save(d / "fields.npy", np.stack([np.roll(field, 3 * k, axis=0)[:16, :12, :20] for k in range(40)]))
+    compress(open_source(str(d / "fields.npy")), d / "fields.zarr", CompressOptions(chunk_samples=6))
+    return d / "fields.zarr"
+
+
+@pytest.fixture(scope="module")
+def decoded(image_store):
+    return zarr.open_group(str(image_store), mode="r")["images"][:]
+
+
+def collect(loader):
+    """All batches of one epoch as lists of arrays (numpy)."""
+    out = []
+    for batch in loader:
+        batch = batch if isinstance(batch, tuple) else (batch,)
+        out.append([b.numpy() if hasattr(b, "numpy") else b for b in batch])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- dataset view
+
+
+def test_open_indexes_like_the_decoded_array(image_store, decoded):
+    ds = dctchop.open(image_store)
+    assert len(ds) == N_IMAGES and ds.shape == decoded.shape and ds.dtype == np.uint8
+    assert ds.arrays == ("images", "index", "labels") or set(ds.arrays) == {"images", "index", "labels"}
+    assert ds.layout == "NHWC" and ds.chunk_len == CHUNK
+    np.testing.assert_array_equal(ds[5], decoded[5])
+    np.testing.assert_array_equal(ds[-1], decoded[-1])
+    np.testing.assert_array_equal(ds[60:140], decoded[60:140])
+    np.testing.assert_array_equal(ds[::97], decoded[::97])
+    pick = [599, 3, 64, 63, 3]
+    np.testing.assert_array_equal(ds[pick], decoded[pick])
+    np.testing.assert_array_equal(ds[np.arange(N_IMAGES) % 7 == 0], decoded[::7])
+    np.testing.assert_array_equal(ds[10:20, 4, :, 0], decoded[10:20, 4, :, 0])
+    np.testing.assert_array_equal(ds["index"][pick], pick)
+    with h5py.File(ROOT / "sample_data/images.h5") as f:
+        np.testing.assert_array_equal(ds["labels"][:], f["labels"][:N_IMAGES])
+    assert ds["images"].lossy and not ds["labels"].lossy
+    with pytest.raises(IndexError, match="out of range"):
+        ds[N_IMAGES]
+    with pytest.raises(DctchopError, match="no array 'nope'.*images"):
+        ds["nope"]
+
+
+def test_open_refuses_what_is_not_a_store(tmp_path):
+    with pytest.raises(DctchopError, match="does not exist"):
+        dctchop.open(tmp_path / "missing.zarr")
+    zarr.open_group(str(tmp_path / "plain.zarr"), mode="w")
+    with pytest.raises(DctchopError, match="not a dctchop store"):
+        dctchop.open(tmp_path / "plain.zarr")
+    with pytest.raises(DctchopError, match="not a dctchop store"):
+        dctchop.Loader(tmp_path / "plain.zarr", batch_size=4)
+
+
+def test_import_dctchop_stays_cheap():
+    code = "import sys, dctchop; print(sorted(m for m in ('torch', 'zarr', 'numba') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------- order
+
+
+@pytest.mark.parametrize("n, chunk, window, parts", [(600, 64, 4, 1), (600, 64, 2, 3), (37, 10, 1, 4), (5, 8, 3, 7)])
+def test_epoch_order_covers_each_sample_once_in_disjoint_shares(n, chunk, window, parts):
+    shares = [epoch_order(n, chunk, seed=3, epoch=1, window=window, part=p, parts=parts) for p in range(parts)]
+    assert sorted(np.concatenate(shares).tolist()) == list(range(n))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    for share in shares:
+        # chunk-aware: the samples of each window of `window` chunks come out together
+        chunks = share // chunk
+        first_seen = list(dict.fromkeys(chunks.tolist()))
+        for w in range(0, len(first_seen), window):
+            members = set(first_seen[w : w + window])
+            where = np.flatnonzero(np.isin(chunks, list(members)))
+            assert where.size == 0 or where[-1] - where[0] + 1 == where.size
+
+
+def test_epoch_order_is_seeded_by_seed_and_epoch():
+    a = epoch_order(600, 64, seed=1, epoch=0)
+    np.testing.assert_array_equal(a, epoch_order(600, 64, seed=1, epoch=0))
+    assert not np.array_equal(a, epoch_order(600, 64, seed=1, epoch=1))
+    assert not np.array_equal(a, epoch_order(600, 64, seed=2, epoch=0))
+    np.testing.assert_array_equal(epoch_order(600, 64, shuffle=False), np.arange(600))
+
+
+# ---------------------------------------------------------------------------------------------- loader
+
+
+def test_loader_yields_every_sample_once_as_the_view_decodes_it(image_store, decoded):
+    loader = dctchop.Loader(image_store, batch_size=50, seed=7, arrays=["images", "labels", "index"], dtype=None,
+                            layout="stored")
+    batches = collect(loader)
+    assert len(batches) == len(loader) == 12
+    index = np.concatenate([b[2] for b in batches])
+    assert sorted(index.tolist()) == list(range(N_IMAGES))
+    assert sorted(index.tolist()) == sorted(loader.indices().tolist())
+    for x, y, idx in batches:
+        assert x.flags.c_contiguous and x.dtype == np.uint8
+        np.testing.assert_array_equal(x, decoded[idx])
+        np.testing.assert_array_equal(y, dctchop.open(image_store)["labels"][idx])
+    # a batch holds the same samples as the order says, only grouped by chunk
+    order = loader.indices()
+    for k, (_, _, idx) in enumerate(batches):
+        assert sorted(idx.tolist()) == sorted(order[k * 50 : (k + 1) * 50].tolist())
+
+
+def test_default_batches_are_float32_channels_first_with_labels(image_store, decoded):
+    loader = dctchop.Loader(image_store, batch_size=64, shuffle=False, drop_last=True)
+    batches = collect(loader)
+    assert len(batches) == N_IMAGES // 64
+    x, y = batches[0]
+    assert x.shape == (64, 3, 32, 32) and x.dtype == np.float32 and x.flags.c_contiguous and y.dtype == np.int64
+    np.testing.assert_array_equal(x, decoded[:64].transpose(0, 3, 1, 2).astype(np.float32))
+
+
+def test_order_depends_on_seed_and_epoch_only(image_store):
+    def order(**kw):
+        loader = dctchop.Loader(image_store, batch_size=100, arrays=["index"], **kw)
+        return np.concatenate([b for b in loader])
+
+    a = order(seed=1, threads=1, prefetch=1)
+    np.testing.assert_array_equal(a, order(seed=1, threads=3, prefetch=5))
+    loader = dctchop.Loader(image_store, batch_size=100, arrays=["index"], seed=1)
+    loader.set_epoch(1)
+    b = np.concatenate(list(loader))
+    assert not np.array_equal(a, b) and sorted(a) == sorted(b)
+    assert not np.array_equal(a, order(seed=2))
+
+
+def test_each_chunk_is_decoded_once_per_epoch(image_store, monkeypatch):
+    from dctchop.dataset import _LossyArray
+
+    calls = []
+    original = _LossyArray.decode
+    monkeypatch.setattr(_LossyArray, "decode", lambda self, c: calls.append(c) or original(self, c))
+    loader = dctchop.Loader(image_store, batch_size=32, window=2, threads=2)
+    for epoch in range(2):
+        calls.clear()
+        loader.set_epoch(epoch)
+        assert sum(len(x) for x, _ in loader) == N_IMAGES
+        assert sorted(calls) == list(range(10))
+
+
+def test_ranks_take_disjoint_shares_that_cover_the_data(image_store):
+    shares = []
+    for rank in range(3):
+        loader = dctchop.Loader(image_store, batch_size=64, seed=5, rank=rank, world_size=3, arrays=["index"])
+        shares.append(np.concatenate(list(loader)))
+        assert len(shares[-1]) == loader.n_samples == 200
+    assert sorted(np.concatenate(shares).tolist()) == list(range(N_IMAGES))
+
+
+@needs_torch
+def test_dtype_layout_and_normalisation(image_store, decoded):
+    mean, std = [120.0, 110.0, 100.0], [60.0, 55.0, 50.0]
+    kw = {"batch_size": 100, "shuffle": False, "arrays": ["images"]}
+    x = collect(dctchop.Loader(image_store, mean=mean, std=std, **kw))[1][0]
+    ref = (decoded[100:200].transpose(0, 3, 1, 2) - np.reshape(mean, (3, 1, 1))) / np.reshape(std, (3, 1, 1))
+    np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-5)
+    x = collect(dctchop.Loader(image_store, layout="channels_last", dtype="float16", mean=128, std=64, **kw))[0][0]
+    assert x.dtype == np.float16 and x.shape == (100, 32, 32, 3)
+    np.testing.assert_allclose(x, (decoded[:100] - 128.0) / 64, atol=2e-3)
+    x = collect(dctchop.Loader(image_store, dtype="uint8", **kw))[0][0]
+    np.testing.assert_array_equal(x, decoded[:100].transpose(0, 3, 1, 2))
+    x = next(iter(dctchop.Loader(image_store, dtype="bfloat16", output="torch", **kw)))
+    assert x.dtype == torch.bfloat16 and x.shape == (100, 3, 32, 32)
+    torch.testing.assert_close(x.float(), torch.from_numpy(decoded[:100].transpose(0, 3, 1, 2)).float())
+
+
+def test_scientific_fields_without_labels(field_store):
+    data = np.load(field_store.parent / "fields.npy")
+    loader = dctchop.Loader(field_store, batch_size=8, seed=1)
+    batches = list(loader)
+    assert all(isinstance(b, np.ndarray) for b in batches)  # no labels: just x
+    assert [b.shape for b in batches] == [(8, 16, 12, 20)] * 5
+    got = np.concatenate([collect(dctchop.Loader(field_store, batch_size=8, shuffle=False))[i][0] for i in range(5)])
+    np.testing.assert_array_equal(got, dctchop.open(field_store)[:])
+    peak = data.max() - data.min()
+    assert np.sqrt(np.mean((got - data) ** 2)) < peak * 1e-2
+
+
+def test_breaking_out_early_stops_the_threads(image_store):
+    loader = dctchop.Loader(image_store, batch_size=8, threads=2, prefetch=3)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    deadline = time.time() + 10
+    while any(t.name.startswith("dctchop-") for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name.startswith(("dctchop-decode", "dctchop-batch")) for t in threading.enumerate())
+
+
+def test_a_damaged_chunk_is_reported_by_name(image_store, tmp_path):
+    import shutil
+
+    store = tmp_path / "damaged.zarr"
+    shutil.copytree(image_store, store)
+    chunk = store / "images/c/3/0/0/0"
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CorruptChunkError, match="array images: chunk 3 .*crc32c checksum mismatch"):
+        for _ in dctchop.Loader(store, batch_size=100, shuffle=False):
+            pass
+    chunk.unlink()
+    with pytest.raises(DctchopError, match="chunk 3 is missing"):
+        dctchop.open(store)[200]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": 0}, "batch_size must be a positive integer"),
+    ({"batch_size": -3}, "batch_size must be a positive integer"),
+    ({"batch_size": 4, "rank": 2, "world_size": 2}, "rank must be in 0..1 for world_size=2"),
+    ({"batch_size": 4, "arrays": ["images", "masks"]}, "no array 'masks'; it has: images"),
+    ({"batch_size": 4, "dtype": "int32"}, "dtype must be one of"),
+    ({"batch_size": 4, "dtype": "bfloat16"}, "bfloat16 needs output='torch'"),
+    ({"batch_size": 4, "mean": [1, 2]}, "mean/std need 1 or 3 values"),
+    ({"batch_size": 4, "std": 0}, "std must be finite and non-zero"),
+    ({"batch_size": 4, "dtype": "uint8", "mean": 3}, "uint8 needs uint8 data without mean/std"),
+    ({"batch_size": 4, "layout": "NCHW"}, "layout must be one of"),
+])
+def test_clear_errors(image_store, kwargs, message):
+    with pytest.raises(DctchopError, match=message):
+        dctchop.Loader(image_store, **kwargs)
+
+
+@needs_torch
+@pytest.mark.parametrize("device, message", [("cuda:99", "device 'cuda:99' does not exist"),
+                                             ("not-a-device", "'not-a-device' is not a torch device")])
+def test_a_device_that_does_not_exist(image_store, device, message):
+    with pytest.raises(DctchopError, match=message):
+        dctchop.Loader(image_store, batch_size=4, device=device)
+
+
+def test_torch_asked_for_but_not_installed(image_store, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    with pytest.raises(DctchopError, match="torch is not installed"):
+        dctchop.Loader(image_store, batch_size=4, output="torch")
+    with pytest.raises(DctchopError, match="torch is not installed"):
+        dctchop.Loader(image_store, batch_size=4, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------- device decode
+
+
+def _chunks_to_check():
+    """The committed format fixtures (every precision, 1-3 axes, edge blocks, both masks) and a few more."""
+    for path in sorted(glob.glob(str(ROOT / "tests/fixtures/chunks/*.chunk"))):
+        yield Path(path).stem, Path(path).read_bytes()
+    rng = np.random.default_rng(0)
+    smooth = lambda shape: np.cumsum(np.cumsum(rng.normal(size=shape), axis=-1), axis=-2)
+    yield "3d_triangle_edges", encode_chunk(smooth((2, 11, 9, 13)).astype(np.float32),
+                                            ChunkSettings((1, 2, 3), (4, 4, 8), (3, 4, 5), "triangle", "int16"))
+    yield "nhwc_u8_psnr", encode_chunk((smooth((5, 21, 30, 3)) * 3 + 128).clip(0, 255).astype(np.uint8),
+                                       ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int8", target_psnr=38.0))
+    yield "axis0_bf16", encode_chunk(smooth((16, 10)).astype(np.float64),
+                                     ChunkSettings((0,), (8,), (5,), "square", "bfloat16"))
+
+
+@needs_torch
+@pytest.mark.parametrize("name, data", list(_chunks_to_check()), ids=lambda v: v if isinstance(v, str) else "")
+def test_device_decode_equals_the_numba_path(name, data):
+    header = read_header(data)
+    ref = decode_chunk(data, header.shape, header.dtype)
+    from dctchop.torch_decode import decode_on_device
+
+    got = decode_on_device([read_stored(data, header.shape, header.dtype)] * 2, "cpu")
+    assert got.shape == (2, *header.shape)
+    got = got[1].numpy()
+    if header.dtype.kind in "iu":
+        # both round floor(v + 0.5) of a float32 sum; summation order may move a value across .5 rarely
+        diff = np.abs(got.astype(np.int64) - ref.astype(np.int64))
+        assert diff.max() <= 1 and np.count_nonzero(diff) <= max(1, ref.size // 100)
+    else:
+        tol = 1e-5 * float(np.abs(ref.astype(np.float64)).max()) + (1e-3 if header.dtype == np.float16 else 0)
+        np.testing.assert_allclose(got, ref.astype(got.dtype), rtol=0, atol=tol)
+
+
+@needs_torch
+def test_device_loader_equals_host_loader(image_store, field_store):
+    for store, kw in ((image_store, {"mean": [120, 110, 100], "std": 50}), (field_store, {})):
+        host = dctchop.Loader(store, batch_size=40, seed=4, output="torch", **kw)
+        device = dctchop.Loader(store, batch_size=40, seed=4, device="cpu", **kw)
+        for a, b in zip(host, device, strict=True):
+            a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+            for u, v in zip(a, b, strict=True):
+                assert u.shape == v.shape and u.dtype == v.dtype and v.is_contiguous()
+                torch.testing.assert_close(u, v, rtol=0, atol=1e-4 * float(u.abs().max()) + 0.03)
+
+
+# ---------------------------------------------------------------------------------------------- DataLoader
+
+
+@needs_torch
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_torch_dataloader_workers_share_the_epoch(image_store, num_workers):
+    dctchop.open(image_store)[:]  # numba has run in this process before the workers fork
+    ds = dctchop.TorchDataset(image_store, batch_size=32, seed=9, arrays=["images", "labels", "index"])
+    kw = {"multiprocessing_context": "fork"} if num_workers else {}
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers, **kw)
+        seen = []
+        for x, y, idx in loader:
+            assert x.shape[1:] == (3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
+            seen.append(idx.numpy())
+        seen = np.concatenate(seen)
+        assert len(seen) == N_IMAGES and sorted(seen.tolist()) == list(range(N_IMAGES))  # no duplicates, no losses
+        if num_workers:
+            parts = [ds.loader(w, num_workers).indices() for w in range(num_workers)]
+            assert sorted(np.concatenate(parts).tolist()) == list(range(N_IMAGES))
+
+
+# ---------------------------------------------------------------------------------------------- example
+
+
+@needs_torch
+def test_example_trains_a_few_steps(image_store, capsys):
+    example = runpy.run_path(str(ROOT / "examples/train_classifier.py"), run_name="example")
+    result = example["main"]([str(image_store), "--epochs", "1", "--max-steps", "3", "--batch-size", "16"])
+    assert result["samples"] == 48 and np.isfinite(result["loss"])
+    assert "epoch 0" in capsys.readouterr().out
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", ["uint16", "int16", "float16", "float64"])
+def test_every_stored_dtype_loads_on_host_and_device(tmp_path, dtype):
+    rng = np.random.default_rng(1)
+    x = np.cumsum(rng.normal(size=(20, 16, 12)), axis=2) * 40 + (1000 if dtype == "uint16" else 0)
+    np.save(tmp_path / "x.npy", x.astype(dtype))
+    compress(open_source(str(tmp_path / "x.npy")), tmp_path / "x.zarr",
+             CompressOptions(target=Target("keep", (6,)), precision="int16", chunk_samples=8))
+    ref = dctchop.open(tmp_path / "x.zarr")[:].astype(np.float32)
+    host = np.concatenate(list(dctchop.Loader(tmp_path / "x.zarr", batch_size=6, shuffle=False, mean=3.0, std=2.0)))
+    np.testing.assert_allclose(host, (ref - 3) / 2, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    device = torch.cat(list(dctchop.Loader(tmp_path / "x.zarr", batch_size=6, shuffle=False, mean=3.0, std=2.0,
+                                           device="cpu"))).numpy()
+    np.testing.assert_allclose(device, host, rtol=1e-3 if dtype == "float16" else 1e-5,
+                               atol=0.51 + 1e-5 * np.abs(host).max())
+
+
+def test_store_made_with_explicit_axes_still_knows_its_channels(tmp_path):
+    with h5py.File(ROOT / "sample_data/images.h5") as f:
+        images = f["images"][:40]
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"] = images
+    compress(open_source(str(tmp_path / "in.h5")), tmp_path / "hw.zarr", CompressOptions(axes=(1, 2)))
+    assert dctchop.open(tmp_path / "hw.zarr").layout == "custom"
+    x = next(iter(dctchop.Loader(tmp_path / "hw.zarr", batch_size=40, shuffle=False, mean=[1, 2, 3], std=2)))
+    ref = (dctchop.open(tmp_path / "hw.zarr")[:].transpose(0, 3, 1, 2) - np.reshape([1, 2, 3], (3, 1, 1))) / 2
+    np.testing.assert_allclose(x, ref, rtol=1e-6, atol=1e-5)
