@@ -229,6 +229,22 @@ def _inverse_tiled(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cov
                 dst[o, j, i] = _store(tout[j, k], lo, hi, is_int)
 
 
+# A last axis of exactly 3 kept whole (the RGB colour axis): a 3x3 product per row, unrolled. The tiled kernel
+# spends its time on bookkeeping for such short rows; this is about 7x faster.
+@numba.njit(nogil=True, cache=True)
+def _rows3(src, dst, mat, lo, hi, is_int):  # pragma: no cover - compiled
+    """dst[o, j] = sum_r mat[r, j] * src[o, r] for 3x3 ``mat`` (pass ``mat.T`` for the forward)."""
+    for o in range(src.shape[0]):
+        a, b, c = src[o, 0], src[o, 1], src[o, 2]
+        dst[o, 0] = _store(mat[0, 0] * a + mat[1, 0] * b + mat[2, 0] * c, lo, hi, is_int)
+        dst[o, 1] = _store(mat[0, 1] * a + mat[1, 1] * b + mat[2, 1] * c, lo, hi, is_int)
+        dst[o, 2] = _store(mat[0, 2] * a + mat[1, 2] * b + mat[2, 2] * c, lo, hi, is_int)
+
+
+def _is_rows3(p: AxisPlan, n_inner: int) -> bool:
+    return n_inner == 1 and p.length == 3 and p.kept == 3 and p.block == 3
+
+
 # ---------------------------------------------------------------------------------------------- threads
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -436,9 +452,13 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
         shape[a] = p.kept
         out = np.empty(shape, dtype=wdt)
         mat = p.matrix.astype(wdt)
-        kernel = _forward_tiled if n_inner < SHORT_INNER else _forward_3d
-        _run_split(kernel, cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner),
-                   (mat, p.start, p.width), threads)
+        if _is_rows3(p, n_inner):
+            _run_split(_rows3, cur.reshape(n_outer, 3), out.reshape(n_outer, 3),
+                       (np.ascontiguousarray(mat.T), 0.0, 0.0, False), threads)
+        else:
+            kernel = _forward_tiled if n_inner < SHORT_INNER else _forward_3d
+            _run_split(kernel, cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner),
+                       (mat, p.start, p.width), threads)
         cur = out
     return cur
 
@@ -467,9 +487,12 @@ def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int =
         else:
             lo, hi, is_int = 0.0, 0.0, False
         args = (p.matrix.astype(wdt), p.block_rows, lo, hi, is_int)
-        kernel = _inverse_tiled if n_inner < SHORT_INNER else _inverse_3d
-        _run_split(kernel, cur.reshape(n_outer, kept, n_inner), out.reshape(n_outer, p.length, n_inner), args,
-                   threads)
+        if _is_rows3(p, n_inner):
+            _run_split(_rows3, cur.reshape(n_outer, 3), out.reshape(n_outer, 3), (args[0], *args[2:]), threads)
+        else:
+            kernel = _inverse_tiled if n_inner < SHORT_INNER else _inverse_3d
+            _run_split(kernel, cur.reshape(n_outer, kept, n_inner), out.reshape(n_outer, p.length, n_inner),
+                       args, threads)
         cur = out
     if dtype == np.float16:  # ringing near the float16 limit must not overflow to inf
         np.clip(cur, -65504.0, 65504.0, out=cur)
