@@ -12,11 +12,13 @@ offset  type        field
 7       u8          mask code (0 square, 1 triangle)
 8       u8          ndim of the chunk (1..32)
 9       u8          number of transformed axes (1..3)
-10      u16         flags: bit 0 = payload in bit planes (:mod:`dctchop.bitplanes`); other bits 0
+10      u16         flags: bit 0 = payload in bit planes (:mod:`dctchop.bitplanes`); bit 1 = compact
+                    step table (below); other bits 0
 12      u32 x ndim  chunk shape
 ..      u8 x naxes  axes, then block sizes, then keep counts
 ..      u32         number of steps: 0 (all steps are 1) or the number of bands of a full block
-..      f64 x n     per-band steps, in :attr:`TransformPlan.bands` order
+..      f64 x n     per-band steps, in :attr:`TransformPlan.bands` order; with flag bit 1 instead: f64
+                    common step, u32 count k, then k x (u32 band, f64 step) for the bands that differ
 ..      u64         number of stored values
 ..      payload     stored values in the precision's storage dtype (flag 0 clear), or their bit
                     planes (flag 0 set, integer precisions)
@@ -60,6 +62,7 @@ PSNR_RETRIES = 8
 PSNR_RETRY_FACTOR = 0.97
 _FIXED = struct.Struct("<4sBBBBBBH")
 FLAG_BITPLANES = 1
+FLAG_STEP_TABLE = 2
 
 
 @dataclass(frozen=True)
@@ -248,18 +251,35 @@ def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int) -> np
     return inverse(coefficients, plan, dtype, threads)
 
 
+def _step_table(steps: np.ndarray) -> tuple[bytes, int]:
+    """The per-band steps as stored, and the header flag that says how: the full f64 table, or (usually far
+    smaller: with flat weights all bands but a few clamped ones share one step) the common step plus the
+    bands that differ. 512 bands of an 8x8x8 block cost 4 KB per chunk as a full table."""
+    values, counts = np.unique(steps, return_counts=True)
+    common = values[np.argmax(counts)]
+    differ = np.flatnonzero(steps != common)
+    if 12 + 12 * differ.size >= 8 * steps.size:
+        return np.asarray(steps, dtype="<f8").tobytes(), 0
+    pairs = np.zeros(differ.size, dtype=[("band", "<u4"), ("step", "<f8")])
+    pairs["band"], pairs["step"] = differ, steps[differ]
+    return struct.pack("<dI", common, differ.size) + pairs.tobytes(), FLAG_STEP_TABLE
+
+
 def _header(shape, dtype, settings: ChunkSettings, steps, n_values: int, flags: int) -> bytes:
     naxes = len(settings.axes)
+    table = b""
+    if steps is not None:
+        table, table_flag = _step_table(np.asarray(steps, dtype=np.float64))
+        flags |= table_flag
     parts = [
         _FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[np.dtype(dtype).newbyteorder("=")],
                     PRECISION_CODES[settings.precision], MASKS.index(settings.mask), len(shape), naxes, flags),
         struct.pack(f"<{len(shape)}I", *shape),
         struct.pack(f"<{3 * naxes}B", *settings.axes, *settings.block, *settings.keep),
         struct.pack("<I", 0 if steps is None else len(steps)),
+        table,
+        struct.pack("<Q", n_values),
     ]
-    if steps is not None:
-        parts.append(np.asarray(steps, dtype="<f8").tobytes())
-    parts.append(struct.pack("<Q", n_values))
     return b"".join(parts)
 
 
@@ -283,6 +303,27 @@ class ChunkHeader:
     bitplanes: bool
 
 
+def _read_step_table(data, pos: int, n_steps: int, compact: bool) -> tuple[np.ndarray | None, int]:
+    """(steps or None, position after them); CorruptChunkError for a truncated or inconsistent table."""
+    if not compact:
+        if len(data) < pos + 8 * n_steps:
+            raise CorruptChunkError("chunk header is truncated in its step table")
+        steps = np.frombuffer(data, dtype="<f8", count=n_steps, offset=pos).astype(np.float64) if n_steps else None
+        return steps, pos + 8 * n_steps
+    if n_steps == 0 or len(data) < pos + 12:
+        raise CorruptChunkError("chunk header has a compact step table but no steps")
+    common, n_differ = struct.unpack_from("<dI", data, pos)
+    pos += 12
+    if n_differ >= n_steps or len(data) < pos + 12 * n_differ:
+        raise CorruptChunkError(f"chunk step table is truncated or lists too many bands ({n_differ})")
+    pairs = np.frombuffer(data, dtype=[("band", "<u4"), ("step", "<f8")], count=n_differ, offset=pos)
+    if np.any(pairs["band"] >= n_steps):
+        raise CorruptChunkError("chunk step table names a band that does not exist")
+    steps = np.full(n_steps, common)
+    steps[pairs["band"]] = pairs["step"]
+    return steps, pos + 12 * n_differ
+
+
 def read_header(data: bytes | memoryview) -> ChunkHeader:
     """Parse and check a chunk header; raise :class:`CorruptChunkError` naming the bad field."""
     data = memoryview(data).cast("B")
@@ -300,7 +341,7 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
     if dtype_code >= len(dtypes) or prec_code >= len(qz.PRECISIONS) or mask_code >= len(MASKS):
         raise CorruptChunkError(f"bad code in chunk header (dtype {dtype_code}, precision {prec_code}, "
                                 f"mask {mask_code})")
-    if not 1 <= ndim <= MAX_NDIM or not 1 <= naxes <= 3 or flags & ~FLAG_BITPLANES:
+    if not 1 <= ndim <= MAX_NDIM or not 1 <= naxes <= 3 or flags & ~(FLAG_BITPLANES | FLAG_STEP_TABLE):
         raise CorruptChunkError(f"bad chunk header (ndim {ndim}, axes {naxes}, flags {flags:#x})")
     if flags & FLAG_BITPLANES and qz.PRECISIONS[prec_code] not in qz.INT_PRECISIONS:
         raise CorruptChunkError("bit-plane flag on a floating-point chunk")
@@ -314,10 +355,11 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
     pos += 3 * naxes
     (n_steps,) = struct.unpack_from("<I", data, pos)
     pos += 4
-    if n_steps > 64**3 or len(data) < pos + 8 * n_steps + 8:
-        raise CorruptChunkError(f"chunk header is truncated or has a bad step count ({n_steps})")
-    steps = np.frombuffer(data, dtype="<f8", count=n_steps, offset=pos).astype(np.float64) if n_steps else None
-    pos += 8 * n_steps
+    if n_steps > 64**3:
+        raise CorruptChunkError(f"chunk header has a bad step count ({n_steps})")
+    steps, pos = _read_step_table(data, pos, n_steps, bool(flags & FLAG_STEP_TABLE))
+    if len(data) < pos + 8:
+        raise CorruptChunkError("chunk header is truncated")
     (n_values,) = struct.unpack_from("<Q", data, pos)
     pos += 8
     return ChunkHeader(

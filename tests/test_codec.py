@@ -22,6 +22,8 @@ from dctchop.codec import (
     MAGIC,
     ChunkSettings,
     DctChopCodec,
+    _read_step_table,
+    _step_table,
     decode_chunk,
     encode_chunk,
     read_header,
@@ -245,8 +247,13 @@ def test_read_header_fields():
     assert h.shape == (2, 9, 10) and h.axes == (1, 2) and h.block == (4, 5) and h.keep == (3, 2)
     assert h.n_values == plan.n_values
     assert h.steps.dtype == np.float64 and h.steps.shape == (len(plan.bands),) and np.all(h.steps >= 0.25)
-    # fixed 12 bytes, 3 u32 shape, 3 x 2 u8 settings, u32 step count, steps, u64 value count
-    assert h.payload_offset == 12 + 4 * 3 + 6 + 4 + 8 * len(plan.bands) + 8
+    # fixed 12 bytes, 3 u32 shape, 3 x 2 u8 settings, u32 step count, steps, u64 value count; the steps are
+    # either the full f64 table or (flag bit 1) the common step, a count, and (u32 band, f64 step) pairs
+    values, counts = np.unique(h.steps, return_counts=True)
+    n_differ = int(np.sum(h.steps != values[np.argmax(counts)]))
+    compact = bool(struct.unpack_from("<H", chunk, 10)[0] & 2)
+    table = 12 + 12 * n_differ if compact else 8 * len(plan.bands)
+    assert h.payload_offset == 12 + 4 * 3 + 6 + 4 + table + 8
     assert chunk[:4] == b"DCTC" and chunk[4] == FORMAT_VERSION
     assert struct.unpack_from("<3I", chunk, 12) == (2, 9, 10)
     assert h.bitplanes  # int16 values are stored as bit planes
@@ -496,3 +503,23 @@ def test_fresh_process_reads_store_through_entry_point(tmp_path):
     got = np.load(out_file)
     assert got.dtype == np.uint8
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("steps", [
+    np.full(512, 0.01),                                  # flat: one common step
+    np.r_[np.full(190, 2.0), [7.5, 3.25]],               # a few clamped bands
+    np.exp2(np.arange(-20, 12, dtype=np.float64)),       # all different: the full table is smaller
+])
+def test_step_table_round_trip(steps):
+    table, flag = _step_table(steps)
+    assert len(table) <= 8 * steps.size
+    got, end = _read_step_table(table, 0, steps.size, bool(flag))
+    np.testing.assert_array_equal(got, steps)
+    assert end == len(table)
+
+
+@pytest.mark.parametrize("pairs, n_steps", [([(64, 1.0)], 64), ([(0, 1.0)] * 4, 4)])
+def test_step_table_bad_bands_are_corrupt(pairs, n_steps):
+    table = struct.pack("<dI", 0.5, len(pairs)) + b"".join(struct.pack("<Id", b, v) for b, v in pairs)
+    with pytest.raises(CorruptChunkError):
+        _read_step_table(table, 0, n_steps, True)
