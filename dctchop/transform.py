@@ -37,7 +37,6 @@ from dctchop.errors import DctchopError
 BLOCK_MIN = 2
 BLOCK_MAX = 64
 MASKS = ("square", "triangle")
-SUPPORTED_DTYPES = tuple(np.dtype(t) for t in ("uint8", "uint16", "int16", "float16", "float32", "float64"))
 
 
 def dct_matrix(n: int) -> np.ndarray:
@@ -47,12 +46,6 @@ def dct_matrix(n: int) -> np.ndarray:
     d = np.cos(np.pi * (2 * j + 1) * k / (2 * n)) * np.sqrt(2.0 / n)
     d[0] /= np.sqrt(2.0)
     return d
-
-
-def kept_length(length: int, block: int, keep: int) -> int:
-    """Number of coefficients kept along one axis of ``length`` samples (edge block kept proportionally)."""
-    full, rest = divmod(length, block)
-    return full * keep + (-(-rest * keep // block) if rest else 0)
 
 
 def work_dtype(dtype: np.dtype) -> np.dtype:
