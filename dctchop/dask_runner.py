@@ -1,9 +1,9 @@
 """Running chunk tasks on Dask: the local ``threads``/``processes`` schedulers or a ``dask.distributed``
 scheduler at an address such as ``tcp://scheduler-host:8786``.
 
-Each task is :func:`dctchop.store.encode_chunk_task`: it reopens the input by path (h5py objects do not
-pickle), encodes one chunk and writes that chunk's file and metadata elements whole, so tasks never share a
-file. The kernels run single-threaded inside a task and never use numba's parallel threading layer, so tasks
+Each task is :func:`dctchop.store.encode_chunks_task`: it reopens the input by path (h5py objects do not
+pickle), encodes a run of consecutive chunks (about 64 MB of input) and writes those chunks' files and
+metadata elements whole, so tasks never share a file. The kernels run single-threaded inside a task and never use numba's parallel threading layer, so tasks
 neither oversubscribe the cores nor hang after ``fork``. Results (small dicts) come back as tasks finish.
 """
 
@@ -26,7 +26,7 @@ def _require_dask(scheduler: str):
     return dask
 
 
-def run_tasks(fn: Callable[..., dict], items: list[tuple], scheduler: str) -> Iterator[dict]:
+def run_tasks(fn: Callable, items: list[tuple], scheduler: str) -> Iterator:
     """Yield ``fn(*item)`` for every item as the tasks finish (in completion order)."""
     dask = _require_dask(scheduler)
     if scheduler in LOCAL_SCHEDULERS:
@@ -35,36 +35,38 @@ def run_tasks(fn: Callable[..., dict], items: list[tuple], scheduler: str) -> It
         yield from _run_distributed(fn, items, scheduler)
 
 
-def _run_local(dask, fn, items, scheduler) -> Iterator[dict]:
+def _run_local(dask, fn, items, scheduler) -> Iterator:
     """dask.compute in a background thread; each finished task's result is handed over through a queue."""
     from dask.callbacks import Callback
 
+    tasks = [dask.delayed(fn, pure=False)(*item) for item in items]
+    keys = {task.key for task in tasks}
     finished: queue.Queue = queue.Queue()
     done = object()
 
     class Collect(Callback):  # _posttask runs in the scheduling thread as each task ends
         def _posttask(self, key, result, dsk, state, worker_id):
-            finished.put(result)
+            if key in keys:  # not dask's own bookkeeping tasks
+                finished.put((result,))
 
     def compute():
         try:
             with Collect(), dask.config.set(scheduler=scheduler):
-                dask.compute(*[dask.delayed(fn, pure=False)(*item) for item in items])
+                dask.compute(*tasks)
         except BaseException as e:  # noqa: BLE001 - handed to the consuming thread and re-raised there
             finished.put(e)
         finished.put(done)
 
     thread = threading.Thread(target=compute, name="dctchop-dask", daemon=True)
     thread.start()
-    while (result := finished.get()) is not done:
-        if isinstance(result, BaseException):
-            raise result
-        if isinstance(result, dict):
-            yield result
+    while (item := finished.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item[0]
     thread.join()
 
 
-def _run_distributed(fn, items, address) -> Iterator[dict]:
+def _run_distributed(fn, items, address) -> Iterator:
     try:
         from distributed import Client, as_completed
     except ImportError:

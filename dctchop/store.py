@@ -63,6 +63,7 @@ DEFAULT_PSNR_FLOAT = 60.0
 RATIO_TOLERANCE = 0.05
 PSNR_TOLERANCE_DB = 0.01
 RATIO_SAMPLE_BYTES = 64 << 20
+DASK_TASK_BYTES = 64 << 20
 META_FIELDS = {"psnr": "f8", "max_abs_error": "f8", "rmse": "f8", "stored_bytes": "i8", "step": "f8"}
 
 
@@ -453,6 +454,21 @@ def encode_chunk_task(plan: ArrayPlan, root: str, i: int, start: int, stop: int)
     return {"chunk": i, "nbytes": x.nbytes, "sse": rmse * rmse * x.size, **meta}
 
 
+def encode_chunks_task(plan: ArrayPlan, root: str, chunks: list[tuple[int, int, int]]) -> list[dict]:
+    """:func:`encode_chunk_task` for a run of ``(index, start, stop)`` chunks: one Dask task per ~64 MB of
+    input, so a terabyte makes about 16,000 tasks rather than 250,000 (and the plan is sent once per task)."""
+    return [encode_chunk_task(plan, root, *chunk) for chunk in chunks]
+
+
+def _flatten(batches: Iterator[list]) -> Iterator:
+    """The items of each batch as the batches arrive; closing it closes the batch source."""
+    try:
+        for batch in batches:
+            yield from batch
+    finally:
+        batches.close()
+
+
 def _write_file(root: Path, path: Path, data: bytes) -> None:
     """Write one whole file below ``root``, never recreating ``root`` itself (an interrupted run removes it
     while tasks may still be finishing)."""
@@ -474,7 +490,10 @@ def _write_lossy(root: Path, plan: ArrayPlan, workers: int, scheduler: str | Non
     else:
         from dctchop.dask_runner import run_tasks
 
-        results = run_tasks(encode_chunk_task, items, scheduler)
+        per_task = max(1, DASK_TASK_BYTES // (math.prod(plan.chunks) * plan.source.dtype.itemsize))
+        runs = [(plan, str(root), [item[2:] for item in items[i : i + per_task]])
+                for i in range(0, len(items), per_task)]
+        results = _flatten(run_tasks(encode_chunks_task, runs, scheduler))
     try:
         for r in results:
             for key in META_FIELDS:
