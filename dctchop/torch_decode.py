@@ -27,7 +27,7 @@ import torch.utils.data
 
 from dctchop.codec import StoredChunk
 from dctchop.errors import DctchopError
-from dctchop.transform import TransformPlan, dct_matrix, make_plan, work_dtype
+from dctchop.transform import TransformPlan, dct_matrix, in_triangle, make_plan, work_dtype
 
 __all__ = ["BlockGroup", "DeviceDecoder", "DeviceStage", "TorchDataset", "block_groups", "decode_on_device",
            "resolve_device"]
@@ -85,11 +85,6 @@ class BlockGroup:
         return int(self.band_index.size)
 
 
-def _in_triangle(band, keeps) -> bool:
-    """The triangle mask's rule ``sum_d band_d / keep_d < 1`` in integers (as in dctchop.transform)."""
-    return sum(b * math.prod(k for e, k in enumerate(keeps) if e != d) for d, b in enumerate(band)) < math.prod(keeps)
-
-
 @lru_cache(maxsize=32)
 def _block_groups(shape, axes, block, keep, mask) -> tuple[BlockGroup, ...]:
     plan = make_plan(shape, axes, block, keep, mask)
@@ -97,16 +92,16 @@ def _block_groups(shape, axes, block, keep, mask) -> tuple[BlockGroup, ...]:
     for g in range(1 << len(axes)):  # the same group order as the storage order (bit d: edge block on axis d)
         widths, keeps, counts, offsets = [], [], [], []
         for d, p in enumerate(plan.axis_plans):
-            full, rest = divmod(p.length, p.block)
-            if (g >> d) & 1:
-                widths.append(rest), keeps.append(min(rest, -(-rest * p.keep // p.block)) if rest else 0)
-                counts.append(1 if rest else 0), offsets.append(full * p.block)
+            full = p.length // p.block
+            if (g >> d) & 1:  # the edge block, as the plan cut it: (first row, kept rows, first sample, width)
+                _, kept, start, width = (int(v) for v in p.block_rows[-1]) if full < len(p.block_rows) else (0,) * 4
+                widths.append(width), keeps.append(kept), counts.append(1 if width else 0), offsets.append(start)
             else:
                 widths.append(p.block), keeps.append(p.keep), counts.append(full), offsets.append(0)
         if not all(counts):
             continue
         bands = [u for u, b in enumerate(plan.bands)
-                 if all(b[d] < keeps[d] for d in range(len(axes))) and (mask != "triangle" or _in_triangle(b, keeps))]
+                 if all(b[d] < keeps[d] for d in range(len(axes))) and (mask != "triangle" or in_triangle(b, keeps))]
         rows = [dct_matrix(w) for w in widths]
         basis = np.empty((len(bands), math.prod(widths)))
         for r, u in enumerate(bands):

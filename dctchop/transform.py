@@ -371,11 +371,11 @@ def _plan(shape, axes, block, keep, mask) -> TransformPlan:
 def _full_block_bands(keep: tuple[int, ...], mask: str) -> tuple[tuple[int, ...], ...]:
     grid = np.indices(keep).reshape(len(keep), -1).T
     if mask == "triangle":
-        grid = grid[_in_triangle([grid[:, d] for d in range(len(keep))], list(keep))]
+        grid = grid[in_triangle([grid[:, d] for d in range(len(keep))], list(keep))]
     return tuple(tuple(int(v) for v in row) for row in grid)
 
 
-def _in_triangle(bands, keeps):
+def in_triangle(bands, keeps):
     """``sum_d band_d / keep_d < 1`` in exact integer arithmetic (works on broadcasting arrays)."""
     lhs = sum(b * math.prod(k for e, k in enumerate(keeps) if e != d) for d, b in enumerate(bands))
     return lhs < math.prod(keeps)
@@ -395,7 +395,7 @@ def _storage_order(shape, axes, block, keep, mask):
     bands = [along(p.band, d) for d, p in enumerate(plan.axis_plans)]
     bkeeps = [along(p.block_keep, d) for d, p in enumerate(plan.axis_plans)]
     if mask == "triangle":
-        inside = np.broadcast_to(_in_triangle(bands, bkeeps), cshape)
+        inside = np.broadcast_to(in_triangle(bands, bkeeps), cshape)
     else:
         inside = np.ones(cshape, dtype=bool)
     band_list = plan.bands
