@@ -483,8 +483,8 @@ class DctChopCodec(ArrayBytesCodec):
 
     @property
     def settings(self) -> ChunkSettings:
-        return ChunkSettings(self.axes, self.block, self.keep, self.mask, self.precision, self.step,
-                             self.target_psnr, self.peak, self.weights)
+        """The encoder settings this configuration names (the same fields, matched by name)."""
+        return ChunkSettings(**{name: getattr(self, name) for name in ChunkSettings.__dataclass_fields__})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:

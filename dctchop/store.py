@@ -567,7 +567,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     workers = resolve_threads(options.workers)
     remove_stale_temporaries(output)
     tmp = _temporary_sibling(output)
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)
     started = time.perf_counter()
     try:
         group = zarr.open_group(str(tmp), mode="w", zarr_format=3)
