@@ -45,7 +45,8 @@ import numpy as np
 
 import dctchop
 from dctchop.formats import open_source
-from dctchop.store import CompressOptions, compress, directory_bytes
+from dctchop.location import Location
+from dctchop.store import CompressOptions, compress
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_MEAN, IMAGE_STD = (120.0, 118.0, 110.0), (60.0, 58.0, 62.0)
@@ -77,7 +78,7 @@ def make_data(tmp: Path, n_images: int, n_fields: int) -> dict:
         summary = compress(open_source(str(src)), tmp / f"{name}.zarr", options)
         info = next(iter(summary["arrays"].values()))
         out[name] = {"store": tmp / f"{name}.zarr", "npy": src.with_suffix(".npy"), "psnr": info["psnr"],
-                     "ratio": info["original_bytes"] / directory_bytes(tmp / f"{name}.zarr"), "axes": info["axes"]}
+                     "ratio": info["original_bytes"] / Location(tmp / f"{name}.zarr").size(), "axes": info["axes"]}
     out["images"]["variants"] = {"dctchop, axes 1,2": out.pop("images_hw")}
     return out
 

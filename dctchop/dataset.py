@@ -30,6 +30,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from dctchop.codec import DctChopCodec, StoredChunk, decode_chunk, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.inspect import open_store
+from dctchop.location import Location, is_url
 from dctchop.store import unframe
 from dctchop.transform import resolve_threads
 
@@ -44,7 +45,7 @@ CACHED_CHUNKS = 2
 class _LossyArray:
     """Chunk reader for one dctchop-coded array: chunk files -> checked bytes -> decoded samples."""
 
-    def __init__(self, root: Path, name: str, array: zarr.Array) -> None:
+    def __init__(self, root: Location, name: str, array: zarr.Array) -> None:
         self.name, self.array = name, array
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
         self.chunk_shape = tuple(array.chunks)
@@ -53,18 +54,19 @@ class _LossyArray:
         codecs = tuple(type(c) for c in getattr(md, "codecs", ()))
         encoding = getattr(md, "chunk_key_encoding", None)
         self.direct = (codecs == (DctChopCodec, ZstdCodec, Crc32cCodec) and getattr(encoding, "separator", None) == "/"
-                       and self.chunk_shape[1:] == self.shape[1:] and (root / name).is_dir())
+                       and self.chunk_shape[1:] == self.shape[1:] and root.exists(name))
         self._root = root
         self._md = md
 
-    def chunk_file(self, index: int) -> Path:
-        return self._root / self.name / self._md.encode_chunk_key((index,) + (0,) * (len(self.shape) - 1))
+    def chunk_key(self, index: int) -> str:
+        return f"{self.name}/" + self._md.encode_chunk_key((index,) + (0,) * (len(self.shape) - 1))
 
     def raw(self, index: int) -> bytes:
         """The dctchop-coded bytes of chunk ``index`` (zstd undone, crc32c checked)."""
-        path = self.chunk_file(index)
+        key = self.chunk_key(index)
+        path = f"{self._root}/{key}"
         try:
-            data = path.read_bytes()
+            data = self._root.read(key)
         except FileNotFoundError:
             raise DctchopError(f"array {self.name}: chunk {index} is missing ({path}); the store is damaged "
                                "or incomplete") from None
@@ -249,7 +251,7 @@ class Dataset:
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None) -> None:
-        self.path = Path(path)
+        self.path = Path(path) if not is_url(path) else os.fspath(path)
         self._threads = resolve_threads(threads)
         group, info = open_store(self.path)
         self.info = info
@@ -261,7 +263,7 @@ class Dataset:
         main_chunk = None
         for name in self.lossy_names:
             array = self._zarr_array(group, name)
-            reader = _LossyArray(self.path, name, array)
+            reader = _LossyArray(Location(self.path), name, array)
             main_chunk = main_chunk or reader.chunk_len
             self._views[name] = ArrayView(reader, info["arrays"][name], self._threads)
         for name in self.lossless_names:
@@ -342,7 +344,7 @@ def open(path: str | os.PathLike, threads: int | None = None) -> Dataset:  # dct
     Parameters
     ----------
     path : str or path-like
-        The store directory (made by ``dctchop compress``).
+        The store directory (made by ``dctchop compress``), or its fsspec URL (``s3://bucket/x.zarr``).
     threads : int, optional
         Threads for requests that span several chunks; default one per core.
 

@@ -10,23 +10,18 @@ import zarr
 
 from dctchop.errors import DctchopError
 from dctchop.formats import open_source
-from dctchop.store import (
-    META_FIELDS,
-    META_GROUP,
-    _chunk_metrics,
-    _chunk_ranges,
-    array_problems,
-    directory_bytes,
-)
+from dctchop.location import Location
+from dctchop.store import META_FIELDS, META_GROUP, _chunk_metrics, _chunk_ranges, array_problems
 
 
 def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
-    """The store's root group and its ``dctchop`` attributes; a clear error for anything else."""
-    path = Path(path)
-    if not path.exists():
+    """The store's root group and its ``dctchop`` attributes; a clear error for anything else. ``path`` is
+    a local directory or an fsspec URL."""
+    location = Location(path)
+    if not location.exists():
         raise DctchopError(f"store {path} does not exist")
     try:
-        group = zarr.open_group(str(path), mode="r")
+        group = location.open_group("r")
     except Exception as e:  # noqa: BLE001 - zarr raises several types for a non-store
         raise DctchopError(f"{path} is not a Zarr store ({type(e).__name__}: {e})") from None
     info = group.attrs.get("dctchop")
@@ -52,15 +47,15 @@ def _quality(table: dict[str, np.ndarray]) -> dict[str, float]:
 def inspect_store(path: str | Path, chunks: bool = False) -> dict:
     """Per array: shape, dtype, axes, settings, original and stored bytes (everything on disk for the array,
     its metadata included), ratio, PSNR over chunks, max abs error; plus totals."""
-    path = Path(path)
     group, info = open_store(path)
+    location = Location(path)
     arrays = {}
     for name, a in info["arrays"].items():
-        problems = array_problems(path, name, a["shape"], a["chunks"])
+        problems = array_problems(location, name, a["shape"], a["chunks"])
         # with unreadable metadata arrays the per-chunk table is unknown: fall back to the summary written
         # with the store
         table = None if any(p["chunk"] is None for p in problems) else chunk_table(group, name)
-        stored = directory_bytes(path / name) + directory_bytes(path / META_GROUP / name)
+        stored = location.size(name) + location.size(f"{META_GROUP}/{name}")
         entry = {
             "shape": a["shape"], "dtype": a["dtype"], "layout": a["layout"], "axes": a["axes"],
             "chunks": a["chunks"], "target": a["target"], "codec": a["codec"], "peak": a["peak"],
@@ -76,9 +71,9 @@ def inspect_store(path: str | Path, chunks: bool = False) -> dict:
     for name in info.get("lossless", []):
         arr = group[name]
         lossless[name] = {"shape": list(arr.shape), "dtype": str(arr.dtype),
-                          "original_bytes": int(arr.nbytes), "stored_bytes": directory_bytes(path / name)}
+                          "original_bytes": int(arr.nbytes), "stored_bytes": location.size(name)}
     original = sum(a["original_bytes"] for a in arrays.values()) + sum(a["original_bytes"] for a in lossless.values())
-    stored = directory_bytes(path)
+    stored = location.size()
     return {
         "store": str(path), "version": info.get("version"), "created": info.get("created"),
         "source": info.get("source"), "arrays": arrays, "lossless": lossless,
@@ -89,7 +84,7 @@ def inspect_store(path: str | Path, chunks: bool = False) -> dict:
 def require_intact(path: str | Path, info: dict) -> None:
     """Raise naming the array and chunk when any chunk of the store is missing or damaged."""
     for name, a in info["arrays"].items():
-        problems = array_problems(Path(path), name, a["shape"], a["chunks"])
+        problems = array_problems(Location(path), name, a["shape"], a["chunks"])
         if problems:
             raise DctchopError(describe_damage(path, {name: problems}))
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import struct
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
@@ -51,6 +51,7 @@ from dctchop.codec import (
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.formats import Source, SourceArray
 from dctchop.layout import colour_axis, infer_axes
+from dctchop.location import Location
 from dctchop.transform import make_plan, per_axis, resolve_threads
 
 STORE_FORMAT = 1
@@ -270,37 +271,37 @@ def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...], edge: bool = False) ->
 # ---------------------------------------------------------------------------------------------- writing
 
 
-def _temporary_sibling(output: Path) -> Path:
-    return output.with_name(f".{output.name}.dctchop-tmp-{os.getpid()}")
+def _temporary_sibling(output: Location, kind: str = "tmp") -> Location:
+    """The new store being written (``tmp``) or the old one an --overwrite moves aside (``old``). Local: named
+    by this process's id, so a later run can tell a killed run's leftovers from a live one's. URL: a random
+    name (writers on other hosts share the namespace, and nobody can tell whether they live)."""
+    tag = str(os.getpid()) if not output.is_url else uuid.uuid4().hex[:12]
+    return output.sibling(f".{output.name}.dctchop-{kind}-{tag}")
 
 
-def remove_stale_temporaries(output: Path) -> None:
+def remove_stale_temporaries(output: Location) -> None:
     """Clean up after a killed run (SIGKILL, power loss): remove the temporaries whose process no longer
     exists, and put back an old store that an --overwrite moved aside but never replaced. A live process's
-    files are never touched."""
-    for tmp in output.parent.glob(f".{output.name}.dctchop-*-*"):
+    files are never touched. Local outputs only: a killed run's temporary at a URL stays (its name says what
+    it is) because a process on another host cannot be checked."""
+    if output.is_url:
+        return
+    path = output.path
+    for tmp in path.parent.glob(f".{path.name}.dctchop-*-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
             continue
-        if ".dctchop-old-" in tmp.name and not output.exists():
-            os.rename(tmp, output)  # killed between the two renames of --overwrite: the old store is the output
+        if ".dctchop-old-" in tmp.name and not path.exists():
+            os.rename(tmp, path)  # killed between the two renames of --overwrite: the old store is the output
         else:
-            _remove(tmp)
+            Location(tmp).remove()
 
 
-def _remove(path: Path) -> None:
-    """Remove a file or a directory tree, whichever it is."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _discard_temporary(tmp: Path) -> None:
+def _discard_temporary(tmp: Location) -> None:
     """Remove the temporary store. Zarr writes metadata from its own event-loop thread, which may finish a
     pending write just after an interrupt reached this thread, so look again a few times."""
     for _ in range(5):
-        _remove(tmp)
+        tmp.remove()
         time.sleep(0.05)
         if not tmp.exists():
             return
@@ -316,31 +317,32 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _check_output(source_path: str, output: Path, overwrite: bool) -> None:
-    out = output.resolve()
-    src = Path(source_path).resolve()
-    if out == src or src in out.parents or out in src.parents:
-        raise DctchopError(f"output {output} must not be the input, inside it, or contain it")
-    if not out.parent.is_dir():
-        raise DctchopError(f"output directory {output.parent} does not exist")
-    if out.exists() and not overwrite:
+def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
+    if not output.is_url:
+        out = output.path.resolve()
+        src = Path(source_path).resolve()
+        if out == src or src in out.parents or out in src.parents:
+            raise DctchopError(f"output {output} must not be the input, inside it, or contain it")
+        if not out.parent.is_dir():
+            raise DctchopError(f"output directory {output.path.parent} does not exist")
+    if output.exists() and not overwrite:
         raise DctchopError(f"output {output} exists; pass --overwrite to replace it")
-    if out.is_dir() and not is_dctchop_store(out):
+    if output.is_dir() and not is_dctchop_store(output):
         raise DctchopError(f"output {output} is a directory that is not a dctchop store; refusing to replace it")
 
 
-def is_dctchop_store(path: Path) -> bool:
-    """A directory whose root zarr.json carries dctchop attributes (what --overwrite may replace)."""
+def is_dctchop_store(location: Location) -> bool:
+    """A store whose root zarr.json carries dctchop attributes (what --overwrite may replace)."""
     try:
-        meta = json.loads((path / "zarr.json").read_text())
+        meta = json.loads(location.read("zarr.json"))
     except (OSError, ValueError):
         return False
     return isinstance(meta, dict) and isinstance(meta.get("attributes", {}).get("dctchop"), dict)
 
 
-def _chunk_file(root: Path, name: str, index: int, ndim: int) -> Path:
+def _chunk_key(name: str, index: int, ndim: int) -> str:
     """Where Zarr's default chunk key encoding puts chunk ``index`` of an array chunked along axis 0."""
-    return root / name / "c" / "/".join([str(index)] + ["0"] * (ndim - 1))
+    return f"{name}/c/" + "/".join([str(index)] + ["0"] * (ndim - 1))
 
 
 def _stored_bytes(data: bytes) -> bytes:
@@ -363,7 +365,7 @@ def unframe(raw: bytes) -> bytes:
         raise CorruptChunkError(f"zstd cannot decode the chunk ({e})") from None
 
 
-def array_problems(root: Path, name: str, shape, chunks) -> list[dict]:
+def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
     """Everything damaged about one stored array, found without decoding: its metadata cannot be opened
     (missing or broken zarr.json, a codec version this dctchop cannot read), a chunk file is missing, not a
     file, fails its crc32c or has an undecodable header, or a per-chunk metadata element is missing.
@@ -372,24 +374,24 @@ def array_problems(root: Path, name: str, shape, chunks) -> list[dict]:
     chunk, so a missing one is damage. ``chunk`` is None for damage that is not one chunk's.
     """
     problems = []
-    for key, path in [(None, root / name), *((k, root / META_GROUP / name / k) for k in META_FIELDS)]:
+    group = root.open_group("r")
+    for key, path in [(None, name), *((k, f"{META_GROUP}/{name}/{k}") for k in META_FIELDS)]:
         try:
-            zarr.open_array(str(path), mode="r")
+            group[path]
         except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
             what = "array metadata" if key is None else f"metadata array {key}"
             problems.append({"chunk": None, "problem": f"{what} cannot be opened ({type(e).__name__}: {e})"})
     n_chunks = -(-shape[0] // chunks[0])
     for i in range(n_chunks):
-        path = _chunk_file(root, name, i, len(shape))
         try:
-            read_header(unframe(path.read_bytes()))
+            read_header(unframe(root.read(_chunk_key(name, i, len(shape)))))
         except FileNotFoundError:
             problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
         except OSError as e:
             problems.append({"chunk": i, "problem": f"unreadable ({e.strerror or e})"})
         except CorruptChunkError as e:
             problems.append({"chunk": i, "problem": str(e)})
-        missing = [k for k in META_FIELDS if not _chunk_file(root / META_GROUP, f"{name}/{k}", i, len(shape)).is_file()]
+        missing = [k for k in META_FIELDS if not root.is_file(_chunk_key(f"{META_GROUP}/{name}/{k}", i, len(shape)))]
         if missing:
             problems.append({"chunk": i, "problem": f"per-chunk metadata missing: {', '.join(missing)}"})
     return problems
@@ -402,12 +404,12 @@ def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, fl
     return qz.psnr(mse, peak), worst, math.sqrt(mse)
 
 
-def _metadata_bytes(root: Path, plan: ArrayPlan) -> int:
+def _metadata_bytes(root: Location, plan: ArrayPlan) -> int:
     """Bytes an array's store takes besides its chunk files: its zarr.json, the metadata arrays' zarr.json
     files, and one element file per chunk and metadata field."""
     n_chunks = len(_chunk_ranges(plan.source.shape[0], plan.chunks[0]))
     element_bytes = sum(np.dtype(d).itemsize for d in META_FIELDS.values())
-    return directory_bytes(root / plan.name) + directory_bytes(root / META_GROUP / plan.name) + n_chunks * element_bytes
+    return root.size(plan.name) + root.size(f"{META_GROUP}/{plan.name}") + n_chunks * element_bytes
 
 
 def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = False) -> None:
@@ -426,7 +428,7 @@ def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = F
                                 serializer=BytesCodec(endian="little"), fill_value=0)
 
 
-def encode_chunk_task(plan: ArrayPlan, root: str, i: int, start: int, stop: int) -> dict:
+def encode_chunk_task(plan: ArrayPlan, root: Location, i: int, start: int, stop: int) -> dict:
     """Encode chunk ``i`` (samples ``[start, stop)``), write its file and its metadata elements whole, and
     return the metadata. Module-level and self-contained so it runs as a Dask task in any process.
 
@@ -445,16 +447,17 @@ def encode_chunk_task(plan: ArrayPlan, root: str, i: int, start: int, stop: int)
     steps = read_header(data).steps
     stored = _stored_bytes(data)
     ndim = len(src.shape)
-    _write_file(Path(root), _chunk_file(Path(root), plan.name, i, ndim), stored)
     meta = {"psnr": psnr, "max_abs_error": max_err, "rmse": rmse, "stored_bytes": len(stored),
             "step": float(np.min(steps)) if steps is not None else math.nan}
+    files = {_chunk_key(plan.name, i, ndim): stored}
     for key, value in meta.items():
         element = np.asarray(value, dtype=np.dtype(META_FIELDS[key]).newbyteorder("<")).tobytes()
-        _write_file(Path(root), _chunk_file(Path(root) / META_GROUP, f"{plan.name}/{key}", i, ndim), element)
+        files[_chunk_key(f"{META_GROUP}/{plan.name}/{key}", i, ndim)] = element
+    root.write_files(files)
     return {"chunk": i, "nbytes": x.nbytes, "sse": rmse * rmse * x.size, **meta}
 
 
-def encode_chunks_task(plan: ArrayPlan, root: str, chunks: list[tuple[int, int, int]]) -> list[dict]:
+def encode_chunks_task(plan: ArrayPlan, root: Location, chunks: list[tuple[int, int, int]]) -> list[dict]:
     """:func:`encode_chunk_task` for a run of ``(index, start, stop)`` chunks: one Dask task per ~64 MB of
     input, so a terabyte makes about 16,000 tasks rather than 250,000 (and the plan is sent once per task)."""
     return [encode_chunk_task(plan, root, *chunk) for chunk in chunks]
@@ -469,20 +472,11 @@ def _flatten(batches: Iterator[list]) -> Iterator:
         batches.close()
 
 
-def _write_file(root: Path, path: Path, data: bytes) -> None:
-    """Write one whole file below ``root``, never recreating ``root`` itself (an interrupted run removes it
-    while tasks may still be finishing)."""
-    if not root.is_dir():
-        raise DctchopError(f"{root} was removed while chunks were being written")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-
-
-def _write_lossy(root: Path, plan: ArrayPlan, workers: int, scheduler: str | None,
+def _write_lossy(root: Location, plan: ArrayPlan, workers: int, scheduler: str | None,
                  progress: Callable[[int], None]) -> dict:
     """Run one task per chunk (the arrays exist already) on local threads or on Dask."""
     ranges = _chunk_ranges(plan.source.shape[0], plan.chunks[0])
-    items = [(plan, str(root), i, s, e) for i, (s, e) in enumerate(ranges)]
+    items = [(plan, root, i, s, e) for i, (s, e) in enumerate(ranges)]
     meta = {k: np.zeros(len(ranges), dtype=v) for k, v in META_FIELDS.items()}
     sse = 0.0
     if scheduler is None:
@@ -491,7 +485,7 @@ def _write_lossy(root: Path, plan: ArrayPlan, workers: int, scheduler: str | Non
         from dctchop.dask_runner import run_tasks
 
         per_task = max(1, DASK_TASK_BYTES // (math.prod(plan.chunks) * plan.source.dtype.itemsize))
-        runs = [(plan, str(root), [item[2:] for item in items[i : i + per_task]])
+        runs = [(plan, root, [item[2:] for item in items[i : i + per_task]])
                 for i in range(0, len(items), per_task)]
         results = _flatten(run_tasks(encode_chunks_task, runs, scheduler))
     try:
@@ -546,10 +540,6 @@ def _write_lossless(group: zarr.Group, source: Source, array: SourceArray,
         progress(x.nbytes)
 
 
-def directory_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def compress(source: Source, output: str | os.PathLike, options: CompressOptions = CompressOptions(),
              overwrite: bool = False, progress: Callable[[int], None] = lambda n: None,
              plans: list[ArrayPlan] | None = None) -> dict:
@@ -558,7 +548,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     The store is written to a temporary sibling and renamed into place only when complete: an error or
     interruption leaves ``output`` as it was (absent, or the old store with ``overwrite``).
     """
-    output = Path(output)
+    output = Location(output)
     _check_output(source.path, output, overwrite)
     plans = plans if plans is not None else [plan_array(source, a, options) for a in source.lossy]
     if not plans:
@@ -567,10 +557,10 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     workers = resolve_threads(options.workers)
     remove_stale_temporaries(output)
     tmp = _temporary_sibling(output)
-    _remove(tmp)
+    tmp.remove()
     started = time.perf_counter()
     try:
-        group = zarr.open_group(str(tmp), mode="w", zarr_format=3)
+        group = tmp.open_group("w", zarr_format=3)
         for path, attrs in sorted(source.groups.items()):
             if path.strip("/"):
                 group.require_group(path.strip("/")).attrs.update(attrs)
@@ -589,15 +579,15 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
         for array in source.lossless:
             _write_lossless(group, source, array, progress)
         seconds = time.perf_counter() - started
-        summary = _store_summary(source, arrays, tmp, seconds)
+        summary = _store_summary(source, arrays, seconds)
         group.attrs.update({**source.groups.get("/", {}), "dctchop": json_safe(summary)})
         if overwrite and output.exists():
-            old = output.with_name(f".{output.name}.dctchop-old-{os.getpid()}")
-            os.rename(output, old)
-            os.rename(tmp, output)
-            _remove(old)
+            old = _temporary_sibling(output, "old")
+            output.rename(old)
+            tmp.rename(output)
+            old.remove()
         else:
-            os.rename(tmp, output)
+            tmp.rename(output)
     except OSError as e:
         _discard_temporary(tmp)
         where = f" ({e.filename})" if e.filename else ""
@@ -608,11 +598,11 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     return summary
 
 
-def _array_summary(plan: ArrayPlan, result: dict, root: Path) -> dict:
+def _array_summary(plan: ArrayPlan, result: dict, root: Location) -> dict:
     meta = result["meta"]
     src = plan.source
     original = math.prod(src.shape) * src.dtype.itemsize
-    stored = directory_bytes(root / plan.name) + directory_bytes(root / META_GROUP / plan.name)
+    stored = root.size(plan.name) + root.size(f"{META_GROUP}/{plan.name}")
     mse = result["sse"] / math.prod(src.shape)
     return {
         "shape": list(src.shape),
@@ -640,7 +630,7 @@ def _jsonable(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def _store_summary(source: Source, arrays: dict, root: Path, seconds: float) -> dict:
+def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
     original = sum(a["original_bytes"] for a in arrays.values())
     return {
         "store_format": STORE_FORMAT,

@@ -1,0 +1,158 @@
+"""Where a store lives: a local directory, or any fsspec URL (``s3://bucket/x.zarr``, ``gs://``, ``file://``...).
+
+The store is written chunk file by chunk file, possibly by Dask workers on other machines, so every place
+that touches a store's files goes through a :class:`Location`: a local path uses the operating system
+(directory renames are atomic there), a URL uses fsspec (installed with the ``dask`` extra; object stores need
+their own package, e.g. ``s3fs``). Credentials and endpoints come from fsspec's usual sources (environment
+variables such as ``FSSPEC_S3_ENDPOINT_URL``, ``~/.config/fsspec``, the cloud SDK's own configuration).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from functools import cached_property
+from pathlib import Path
+
+import zarr
+
+from dctchop.errors import DctchopError
+
+
+def is_url(target: str | os.PathLike) -> bool:
+    return "://" in os.fspath(target)
+
+
+class Location:
+    """A store's root. Keys are ``/``-separated paths below it (``images/c/0/0/0``).
+
+    Pickles as its target string, so Dask tasks carry it and make their own filesystem in the worker.
+    """
+
+    def __init__(self, target: str | os.PathLike) -> None:
+        self.target = os.fspath(target)
+        self.is_url = is_url(self.target)
+
+    def __reduce__(self):
+        return (Location, (self.target,))
+
+    def __str__(self) -> str:
+        return self.target
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Location) and other.target == self.target
+
+    def __hash__(self) -> int:
+        return hash(self.target)
+
+    @cached_property
+    def _fs(self):
+        """(filesystem, root path) for a URL."""
+        try:
+            import fsspec
+        except ImportError:
+            raise DctchopError(f"{self.target}: writing to or reading from a URL needs fsspec: "
+                               "pip install 'dctchop[dask]'") from None
+        try:
+            return fsspec.core.url_to_fs(self.target, **self.storage_options)
+        except (ImportError, ValueError) as e:
+            raise DctchopError(f"{self.target}: {e}") from None
+
+    @property
+    def storage_options(self) -> dict:
+        """Options for fsspec and for zarr's fsspec store: local ``file://`` paths create parent directories
+        as object stores do implicitly."""
+        return {"auto_mkdir": True} if self.target.startswith(("file://", "local://")) else {}
+
+    @property
+    def path(self) -> Path:
+        """The local directory (local locations only)."""
+        assert not self.is_url
+        return Path(self.target)
+
+    @property
+    def name(self) -> str:
+        return self.target.rstrip("/").rsplit("/", 1)[-1]
+
+    def sibling(self, name: str) -> Location:
+        """Another location in the same parent directory (or prefix)."""
+        return Location(self.target.rstrip("/").rsplit("/", 1)[0] + "/" + name if self.is_url
+                        else self.path.with_name(name))
+
+    def _key_path(self, key: str) -> str:
+        root = self._fs[1] if self.is_url else self.target
+        return f"{root.rstrip('/')}/{key}" if key else root
+
+    # ------------------------------------------------------------------------------------------ reading
+
+    def exists(self, key: str = "") -> bool:
+        if self.is_url:
+            return self._fs[0].exists(self._key_path(key))
+        return os.path.exists(self._key_path(key))
+
+    def is_dir(self) -> bool:
+        if self.is_url:
+            return self._fs[0].isdir(self._fs[1])
+        return self.path.is_dir()
+
+    def is_file(self, key: str) -> bool:
+        if self.is_url:
+            return self._fs[0].isfile(self._key_path(key))
+        return os.path.isfile(self._key_path(key))
+
+    def read(self, key: str) -> bytes:
+        """The bytes of one file; FileNotFoundError when it is missing."""
+        if self.is_url:
+            return self._fs[0].cat_file(self._key_path(key))
+        return Path(self._key_path(key)).read_bytes()
+
+    def size(self, key: str = "") -> int:
+        """Bytes of every file at or below ``key`` (0 when there is none)."""
+        if self.is_url:
+            fs, path = self._fs[0], self._key_path(key)
+            return sum(int(info["size"]) for info in fs.find(path, detail=True).values()) if fs.exists(path) else 0
+        return sum(f.stat().st_size for f in Path(self._key_path(key)).rglob("*") if f.is_file())
+
+    def open_group(self, mode: str, **kwargs) -> zarr.Group:
+        if self.is_url and self.storage_options:
+            kwargs["storage_options"] = self.storage_options
+        return zarr.open_group(self.target, mode=mode, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ writing
+
+    def write_files(self, files: dict[str, bytes]) -> None:
+        """Write whole files (key -> bytes), never recreating the store itself: an interrupted run removes it
+        while tasks may still be finishing, and their late chunks must not bring it back. On a URL the files
+        go up together (fsspec sends them concurrently on object stores)."""
+        if not self.exists("zarr.json"):
+            raise DctchopError(f"{self.target} was removed while chunks were being written")
+        paths = {self._key_path(key): data for key, data in files.items()}
+        if self.is_url:
+            fs = self._fs[0]
+            for parent in {path.rsplit("/", 1)[0] for path in paths}:
+                fs.makedirs(parent, exist_ok=True)  # a no-op on object stores
+            fs.pipe(paths)
+        else:
+            for path, data in paths.items():
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                Path(path).write_bytes(data)
+
+    def remove(self) -> None:
+        """Remove the whole store (or a file), whichever it is; nothing when absent."""
+        if self.is_url:
+            fs, path = self._fs
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        elif self.is_dir() and not self.path.is_symlink():
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            self.path.unlink(missing_ok=True)
+
+    def rename(self, to: Location) -> None:
+        """Move the store to ``to``: atomic for a local directory; on object stores a server-side copy of each
+        file and a delete (readers may see a partial store while it runs)."""
+        if self.is_url:
+            fs, path = self._fs
+            fs.mv(path, to._key_path(""), recursive=True)
+        else:
+            os.rename(self.path, to.path)
