@@ -17,6 +17,8 @@ Layout for runs of n_s values (values padded with zeros to a multiple of 8):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 
@@ -134,8 +136,62 @@ def to_planes(q: np.ndarray, seg_starts: np.ndarray) -> bytes:
     return masks.astype(f"<u{q.itemsize}").tobytes() + out.tobytes()
 
 
-def from_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> np.ndarray:
-    """Inverse of :func:`to_planes`; CorruptChunkError when the size does not match the masks."""
+@numba.njit(nogil=True, cache=True)
+def _unpack_scatter(planes, offsets, run_starts, masks, n_bytes, first, seg_starts, seg_bands, steps, index,
+                    out):  # pragma: no cover - compiled
+    """``out[index[i]] = value * step`` for a piece of every run: the int values are never stored. Run ``s``
+    holds the values from storage position ``first[s]`` of the chunk's run ``s``, which starts at
+    ``run_starts[s]`` (8 values to a group) and whose planes start at ``offsets[s]``."""
+    set_planes = np.empty((n_bytes, 8), dtype=np.int64)
+    n_set = np.zeros(2, dtype=np.int64)
+    for s in range(seg_bands.size):
+        start, stop = seg_starts[s], seg_starts[s + 1]
+        step = steps[seg_bands[s]]
+        if masks[s] == 0:
+            for i in range(start, stop):
+                out[index[i]] = 0.0
+            continue
+        for byte in range(n_bytes):
+            n_set[byte] = _set_planes((masks[s] >> np.uint64(8 * byte)) & np.uint64(0xFF), set_planes[byte])
+        groups = (run_starts[s + 1] - run_starts[s] + 7) // 8
+        g0 = (first[s] - run_starts[s]) // 8
+        hi_block = offsets[s]  # the high byte's planes come first
+        lo_block = offsets[s] + n_set[1] * groups
+        for g in range((stop - start + 7) // 8):
+            lo = np.uint64(0)
+            for j in range(n_set[0]):
+                lo |= np.uint64(planes[lo_block + j * groups + g0 + g]) << np.uint64(8 * set_planes[0, j])
+            lo = _transpose8(lo)
+            hi = np.uint64(0)
+            if n_set[1]:
+                for j in range(n_set[1]):
+                    hi |= np.uint64(planes[hi_block + j * groups + g0 + g]) << np.uint64(8 * set_planes[1, j])
+                hi = _transpose8(hi)
+            base = start + g * 8
+            for k in range(min(8, stop - base)):
+                u = np.int64((lo >> np.uint64(8 * k)) & np.uint64(0xFF)) | (
+                    np.int64((hi >> np.uint64(8 * k)) & np.uint64(0xFF)) << 8)
+                out[index[base + k]] = ((u >> 1) ^ -(u & 1)) * step
+
+
+@dataclass(frozen=True)
+class Planes:
+    """A checked bit-plane payload: the planes, each run's mask, where its planes start, the run starts."""
+
+    data: np.ndarray
+    masks: np.ndarray
+    offsets: np.ndarray
+    seg_starts: np.ndarray
+    itemsize: int
+
+    def dequantize_into(self, steps, first, seg_starts, seg_bands, index, out) -> None:
+        """:func:`dctchop.quantize.dequantize_into` straight from the planes; each piece must start a group."""
+        _unpack_scatter(self.data, self.offsets, self.seg_starts, self.masks, self.itemsize, first, seg_starts,
+                        seg_bands, steps, index, out)
+
+
+def check_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> Planes:
+    """Split a payload into masks and planes; CorruptChunkError when its size does not match the masks."""
     dtype = np.dtype(dtype)
     n_runs = seg_starts.size - 1
     head = n_runs * dtype.itemsize
@@ -143,9 +199,17 @@ def from_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> np.n
         raise CorruptChunkError("bit-plane payload is shorter than its run masks")
     masks = np.frombuffer(data, dtype=f"<u{dtype.itemsize}", count=n_runs).astype(np.uint64)
     groups = (np.diff(seg_starts) + 7) // 8
-    expected = head + int(sum(int(g) * int(m).bit_count() for g, m in zip(groups, masks)))
+    sizes = groups * np.array([int(m).bit_count() for m in masks], dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    expected = head + int(offsets[-1])
     if len(data) != expected:
         raise CorruptChunkError(f"bit-plane payload is {len(data)} bytes, its masks say {expected}")
+    return Planes(np.frombuffer(data, dtype=np.uint8, offset=head), masks, offsets[:-1], seg_starts, dtype.itemsize)
+
+
+def from_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> np.ndarray:
+    """Inverse of :func:`to_planes`; CorruptChunkError when the size does not match the masks."""
+    planes = check_planes(data, seg_starts, dtype)
     q = np.empty(int(seg_starts[-1]), dtype=dtype)
-    _unpack(np.frombuffer(data, dtype=np.uint8, offset=head), seg_starts, masks, q)
+    _unpack(planes.data, seg_starts, planes.masks, q)
     return q

@@ -42,9 +42,9 @@ from zarr.abc.codec import ArrayBytesCodec
 from zarr.core.common import parse_named_configuration
 
 from dctchop import quantize as qz
-from dctchop.bitplanes import from_planes, to_planes
+from dctchop.bitplanes import check_planes, from_planes, to_planes
 from dctchop.errors import CorruptChunkError, DctchopError
-from dctchop.transform import MASKS, TransformPlan, forward, gather, inverse, make_plan, work_dtype
+from dctchop.transform import MASKS, TransformPlan, _pool, forward, gather, inverse, make_plan, slabs, work_dtype
 
 if TYPE_CHECKING:
     from typing import Self
@@ -245,10 +245,41 @@ def _counted_rows(x: np.ndarray, axes: tuple[int, ...], valid_rows: int | None =
 
 def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int) -> np.ndarray:
     """Stored values -> data: dequantize into the coefficient image, inverse transform."""
-    _, seg_starts, seg_bands = plan.order
-    coefficients = np.zeros(plan.coefficient_shape, dtype=work_dtype(dtype))
-    qz.dequantize_into(stored, steps, seg_starts, seg_bands, precision, plan.order[0], coefficients.reshape(-1))
-    return inverse(coefficients, plan, dtype, threads)
+    values = qz.numeric(stored, precision)
+    return _decode_slabs(plan, dtype, threads, lambda *args: qz.dequantize_into(values, steps, *args))
+
+
+SLAB_VALUES = 1 << 16
+
+
+def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill) -> np.ndarray:
+    """Coefficients -> data one slab (:func:`dctchop.transform.slabs`) at a time, slabs shared among threads:
+    a slab's coefficient image stays in cache from ``fill(first, seg_starts, seg_bands, index, flat image)``
+    through the inverse passes, where the whole chunk's image would stream through memory once per step."""
+    dtype = np.dtype(dtype)
+    out = np.empty(plan.shape, dtype=dtype)
+    parts = slabs(plan, SLAB_VALUES)
+    inner_threads = threads if len(parts) == 1 else 1
+
+    def run(part_list) -> None:
+        images = {}
+        for part in part_list:
+            p = part.plan
+            image = images.get(p.shape)
+            if image is None:  # positions the mask drops stay zero; the others are all written
+                full = p.n_values == math.prod(p.coefficient_shape)
+                image = images[p.shape] = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
+            index, seg_starts, seg_bands = p.order
+            fill(part.first, seg_starts, seg_bands, index, image.reshape(-1))
+            inverse(image, p, dtype, inner_threads, out=out[part.start : part.stop])
+
+    n_jobs = min(threads, len(parts))
+    if n_jobs <= 1:
+        run(parts)
+    else:
+        for future in [_pool(n_jobs).submit(run, parts[k::n_jobs]) for k in range(n_jobs)]:
+            future.result()
+    return out
 
 
 def _step_table(steps: np.ndarray) -> tuple[bytes, int]:
@@ -393,11 +424,9 @@ class StoredChunk:
     steps: np.ndarray = field(repr=False)
 
 
-def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> StoredChunk:
-    """Check a chunk that must hold an array of ``shape`` and ``dtype`` and return its stored values.
-
-    Raises :class:`CorruptChunkError` for anything that is not a valid chunk of that shape and dtype.
-    """
+def _checked(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> tuple[ChunkHeader, TransformPlan,
+                                                                          np.ndarray, memoryview]:
+    """(header, plan, steps, payload) of a chunk that must hold an array of ``shape`` and ``dtype``."""
     header = read_header(data)
     shape = tuple(int(s) for s in shape)
     if header.shape != shape or header.dtype != np.dtype(dtype).newbyteorder("="):
@@ -418,17 +447,31 @@ def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> Stor
         steps = np.ones(len(plan.bands))
     elif steps is None or steps.size != len(plan.bands) or not np.all(np.isfinite(steps) & (steps > 0)):
         raise CorruptChunkError("chunk steps are missing, of the wrong count, or not positive and finite")
+    return header, plan, steps, memoryview(data).cast("B")[header.payload_offset :]
+
+
+def _plain_values(header: ChunkHeader, payload: memoryview) -> np.ndarray:
+    """The stored values of a chunk without bit planes, checked."""
     storage = qz.STORAGE_DTYPES[header.precision]
-    payload = memoryview(data).cast("B")[header.payload_offset :]
+    if len(payload) != header.n_values * storage.itemsize:
+        raise CorruptChunkError(f"chunk payload is {len(payload)} bytes, expected "
+                                f"{header.n_values * storage.itemsize}")
+    stored = np.frombuffer(payload, dtype=storage)
+    if stored.dtype.kind == "f" and not np.all(np.isfinite(stored)):
+        raise CorruptChunkError("chunk holds non-finite coefficients")
+    return stored
+
+
+def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> StoredChunk:
+    """Check a chunk that must hold an array of ``shape`` and ``dtype`` and return its stored values.
+
+    Raises :class:`CorruptChunkError` for anything that is not a valid chunk of that shape and dtype.
+    """
+    header, plan, steps, payload = _checked(data, shape, dtype)
     if header.bitplanes:
-        stored = from_planes(payload, plan.order[1], storage)
+        stored = from_planes(payload, plan.order[1], qz.STORAGE_DTYPES[header.precision])
     else:
-        if len(payload) != header.n_values * storage.itemsize:
-            raise CorruptChunkError(f"chunk payload is {len(payload)} bytes, expected "
-                                    f"{header.n_values * storage.itemsize}")
-        stored = np.frombuffer(payload, dtype=storage)
-        if stored.dtype.kind == "f" and not np.all(np.isfinite(stored)):
-            raise CorruptChunkError("chunk holds non-finite coefficients")
+        stored = _plain_values(header, payload)
     return StoredChunk(plan, header.dtype, header.precision, stored, steps)
 
 
@@ -436,9 +479,13 @@ def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, thread
     """Decode one chunk that must hold an array of ``shape`` and ``dtype``.
 
     Raises :class:`CorruptChunkError` for anything that is not a valid chunk of that shape and dtype.
+    Bit planes are unpacked straight into each slab's coefficients (no int array in between).
     """
-    chunk = read_stored(data, shape, dtype)
-    return _reconstruct(chunk.stored, chunk.steps, chunk.plan, chunk.precision, chunk.dtype, threads)
+    header, plan, steps, payload = _checked(data, shape, dtype)
+    if not header.bitplanes:
+        return _reconstruct(_plain_values(header, payload), steps, plan, header.precision, header.dtype, threads)
+    planes = check_planes(payload, plan.order[1], qz.STORAGE_DTYPES[header.precision])
+    return _decode_slabs(plan, header.dtype, threads, lambda *args: planes.dequantize_into(steps, *args))
 
 
 # ---------------------------------------------------------------------------------------------- zarr codec

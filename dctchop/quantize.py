@@ -88,11 +88,12 @@ def _int_error(values, seg_starts, seg_bands, steps, qmax):  # pragma: no cover 
 
 
 @numba.njit(nogil=True, cache=True)
-def _dequantize_scatter(stored, seg_starts, seg_bands, steps, index, out):  # pragma: no cover - compiled
+def _dequantize_scatter(stored, first, seg_starts, seg_bands, steps, index, out):  # pragma: no cover - compiled
     for s in range(seg_bands.size):
         step = steps[seg_bands[s]]
+        shift = first[s] - seg_starts[s]
         for i in range(seg_starts[s], seg_starts[s + 1]):
-            out[index[i]] = stored[i] * step
+            out[index[i]] = stored[shift + i] * step
 
 
 def band_maxabs(values: np.ndarray, seg_starts: np.ndarray, seg_bands: np.ndarray, n_bands: int) -> np.ndarray:
@@ -148,14 +149,20 @@ def dequantize(stored: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, pre
     return out
 
 
-def dequantize_into(stored: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str,
-                    index: np.ndarray, out: np.ndarray) -> None:
-    """``out.flat[index] = dequantize(stored)`` in one pass (the decoder's coefficient image)."""
+def numeric(stored: np.ndarray, precision: str) -> np.ndarray:
+    """Stored values as an array :func:`dequantize_into` takes (numba has no float16; bfloat16 is bits)."""
     if precision == "bfloat16":
-        stored = bfloat16_bits_to_float32(stored)
-    elif precision == "float16":  # numba has no float16 arrays
-        stored = stored.astype(np.float32)
-    _dequantize_scatter(stored, seg_starts, seg_bands, steps, index, out)
+        return bfloat16_bits_to_float32(stored)
+    if precision == "float16":
+        return stored.astype(np.float32)
+    return stored
+
+
+def dequantize_into(stored: np.ndarray, steps: np.ndarray, first, seg_starts, seg_bands, index: np.ndarray,
+                    out: np.ndarray) -> None:
+    """``out.flat[index] = dequantize(piece of stored)`` in one pass (the decoder's coefficient image): run ``s``
+    takes ``stored[first[s]:]``, as many values as ``seg_starts`` gives it. ``stored`` from :func:`numeric`."""
+    _dequantize_scatter(stored, first, seg_starts, seg_bands, steps, index, out)
 
 
 def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:

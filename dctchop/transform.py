@@ -426,6 +426,47 @@ def _storage_order(shape, axes, block, keep, mask):
     return index, seg_starts, seg_bands
 
 
+@dataclass(frozen=True)
+class Slab:
+    """Rows ``start:stop`` of axis 0 of a chunk, transformed on their own with ``plan``: run ``s`` of the slab's
+    stored values is the contiguous piece of the chunk's run ``s`` that begins at storage position ``first[s]``."""
+
+    start: int
+    stop: int
+    plan: TransformPlan
+    first: np.ndarray = field(repr=False)
+
+
+def slabs(plan: TransformPlan, n_values: int) -> tuple[Slab, ...]:
+    """The chunk cut along axis 0 into slabs of about ``n_values`` coefficients that decode independently.
+
+    Decoding slab by slab keeps each slab's coefficients in cache from dequantization to the last inverse pass.
+    Rows of an untransformed axis 0, or whole blocks of a transformed one, are independent; since the blocks of
+    a run follow the array's C order, a slab's values are a contiguous piece of every run. Each piece starts at
+    a multiple of 8 values (a bit-plane group). One slab, the chunk, when axis 0 ends in a partial block.
+    """
+    _, seg_starts, seg_bands = plan.order
+    unit = plan.block[0] if plan.axes[0] == 0 else 1
+    n_units = plan.shape[0] // unit
+    whole = (Slab(0, plan.shape[0], plan, seg_starts[:-1]),)
+    if plan.shape[0] % unit or n_units < 2:
+        return whole
+    def sub_plan(units):
+        return _plan((units * unit, *plan.shape[1:]), plan.axes, plan.block, plan.keep, plan.mask)
+    unit_order = sub_plan(1).order
+    runs = np.diff(unit_order[1])
+    assert np.array_equal(unit_order[2], seg_bands) and np.array_equal(np.diff(seg_starts), runs * n_units)
+    align = 8 // math.gcd(8, *runs.tolist())
+    per_slab = max(align, n_values // max(math.prod(sub_plan(1).coefficient_shape), 1) // align * align)
+    parts = []
+    for u0 in range(0, n_units, per_slab):
+        units = min(per_slab, n_units - u0)
+        part = sub_plan(units)
+        assert np.array_equal(np.diff(part.order[1]), runs * units)
+        parts.append(Slab(u0 * unit, (u0 + units) * unit, part, seg_starts[:-1] + u0 * runs))
+    return tuple(parts)
+
+
 # ---------------------------------------------------------------------------------------------- transforms
 
 
@@ -456,10 +497,12 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
     return cur
 
 
-def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int = 1) -> np.ndarray:
+def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int = 1,
+            out: np.ndarray | None = None) -> np.ndarray:
     """Inverse of :func:`forward`: coefficient image -> array of ``plan.shape`` and ``dtype``.
 
-    Integer dtypes are rounded to nearest and clipped to their range in the last pass.
+    Integer dtypes are rounded to nearest and clipped to their range in the last pass. ``out``: a C-contiguous
+    array of that shape and dtype the result is written to (and returned).
     """
     dtype = np.dtype(dtype)
     wdt = work_dtype(dtype)
@@ -473,7 +516,7 @@ def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int =
         n_outer, kept, n_inner = _axis_view(tuple(shape), a)
         shape[a] = p.length
         out_dtype = dtype if last and dtype.kind in "iu" else (np.float32 if last and dtype == np.float16 else wdt)
-        out = np.empty(shape, dtype=out_dtype)
+        dst = out if last and out is not None and out_dtype == dtype else np.empty(shape, dtype=out_dtype)
         if dtype.kind in "iu" and last:
             info = np.iinfo(dtype)
             lo, hi, is_int = float(info.min), float(info.max), True
@@ -481,15 +524,19 @@ def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int =
             lo, hi, is_int = 0.0, 0.0, False
         args = (p.matrix.astype(wdt), p.block_rows, lo, hi, is_int)
         if _is_rows3(p, n_inner):
-            _run_split(_rows3, cur.reshape(n_outer, 3), out.reshape(n_outer, 3), (args[0], *args[2:]), threads)
+            _run_split(_rows3, cur.reshape(n_outer, 3), dst.reshape(n_outer, 3), (args[0], *args[2:]), threads)
         else:
             kernel = _inverse_tiled if n_inner < SHORT_INNER else _inverse_3d
-            _run_split(kernel, cur.reshape(n_outer, kept, n_inner), out.reshape(n_outer, p.length, n_inner),
+            _run_split(kernel, cur.reshape(n_outer, kept, n_inner), dst.reshape(n_outer, p.length, n_inner),
                        args, threads)
-        cur = out
+        cur = dst
     if dtype == np.float16:  # ringing near the float16 limit must not overflow to inf
         np.clip(cur, -65504.0, 65504.0, out=cur)
-    return cur.astype(dtype, copy=False)
+    if out is None:
+        return cur.astype(dtype, copy=False)
+    if cur is not out:
+        np.copyto(out, cur, casting="unsafe")
+    return out
 
 
 def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:
