@@ -249,7 +249,7 @@ def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int) -> np
     return _decode_slabs(plan, dtype, threads, lambda *args: qz.dequantize_into(values, steps, *args))
 
 
-SLAB_VALUES = 1 << 16
+SLAB_VALUES = 1 << 17
 
 
 def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill) -> np.ndarray:
