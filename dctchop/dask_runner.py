@@ -9,6 +9,9 @@ neither oversubscribe the cores nor hang after ``fork``. Results (small dicts) c
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -76,9 +79,39 @@ def _run_distributed(fn, items, address) -> Iterator:
     except (OSError, TimeoutError, ValueError) as e:
         raise DctchopError(f"cannot reach the Dask scheduler at {address}: {e}") from None
     with client:
-        futures = [client.submit(fn, *item, pure=False) for item in items]
+        futures = [client.submit(_in_worker, fn, *item, pure=False) for item in items]
         try:
             for future in as_completed(futures, loop=client.loop):
                 yield future.result()
         finally:
             client.cancel(futures)
+
+
+def _in_worker(fn: Callable, *args):
+    """``fn(*args)`` in a ``dask.distributed`` worker, once :func:`_keep_freed_buffers` has run there."""
+    _keep_freed_buffers()
+    return fn(*args)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+@functools.cache
+def _keep_freed_buffers() -> None:
+    """Undo the effect of one Dask worker default on dctchop's tasks.
+
+    The nanny starts workers with ``MALLOC_TRIM_THRESHOLD_`` set, and glibc then stops adapting its mmap
+    threshold: every large temporary of a chunk (4-50 MB) becomes a fresh mmap whose pages fault in again,
+    chunk after chunk. Measured on 24 chunks of 4 MB: 140,000 page faults and 55% more CPU time than the
+    same tasks in a plain process (the whole 2-process cluster ran 42-46% behind local threads). Setting
+    the limits glibc's adaptive rule itself reaches (32 MB mmap threshold, twice that before trimming) keeps
+    freed buffers for the next chunk: a worker holds at most ~64 MB more. Nothing changes elsewhere.
+    """
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator has no such switch
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 64 << 20)
