@@ -60,6 +60,8 @@ PRECISION_CODES = {p: i for i, p in enumerate(qz.PRECISIONS)}
 MAX_NDIM = 32
 PSNR_RETRIES = 8
 PSNR_RETRY_FACTOR = 0.97
+SEARCH_SAMPLE = 1 << 16  # coefficients the PSNR step search runs on before its exact check
+SEARCH_SLACK = 0.02  # a step whose error is within 2% under the budget is accepted
 _FIXED = struct.Struct("<4sBBBBBBH")
 FLAG_BITPLANES = 1
 FLAG_STEP_TABLE = 2
@@ -154,11 +156,12 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, reconstruct: b
 
 
 def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, rows) -> tuple[float, float]:
-    """(step, target SSE): the largest base step whose modelled error meets the chunk's PSNR target
-    (bisection in log space), and the squared-error budget the reconstruction must stay within.
+    """(step, target SSE): the largest base step whose modelled error meets the chunk's PSNR target, and the
+    squared-error budget the reconstruction must stay within.
 
-    When the mask alone already misses the target, the finest step the precision allows is returned and
-    the chunk falls short; the store records the PSNR actually reached.
+    The step is found on a subsample of the coefficients (cheap), then confirmed and refined on all of them,
+    usually with one or two exact evaluations. When the mask alone already misses the target, the finest
+    step the precision allows is returned and the chunk falls short; the store records the PSNR reached.
     """
     peak = qz.dtype_peak(x.dtype) or settings.peak
     if peak is None:
@@ -169,34 +172,59 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
     target_sse = n * peak**2 / 10 ** (settings.target_psnr / 10)
     model_sse = target_sse - (n / 12 if integer else 0.0)  # leave room for rounding to integers
     _, seg_starts, seg_bands = plan.order
-    dropped = max(float(np.sum(x.astype(np.float64) ** 2) - np.sum(values.astype(np.float64) ** 2)), 0.0)
+    # Parseval: what the mask drops is sum x**2 - sum c**2; zero when every coefficient is kept
+    dropped = 0.0 if values.size == x.size else max(qz.energy(x) - qz.energy(values), 0.0)
 
-    def sse(step):
-        steps = qz.choose_steps(maxabs, settings.precision, step, weights)
-        return dropped + qz.coefficient_error(values, steps, seg_starts, seg_bands, settings.precision)
+    def log_sse(vals, starts, scale):
+        def f(step: float) -> float:
+            steps = qz.choose_steps(maxabs, settings.precision, step, weights)
+            error = qz.coefficient_error(vals, steps, starts, seg_bands, settings.precision)
+            return math.log(max(dropped + scale * error, 1e-300))
+        return f
 
     # below `finest` every band sits at its no-saturation limit maxabs / qmax, above `coarsest` all is zero
     limits = maxabs / qz.QMAX[settings.precision] / (1.0 if weights is None else weights)
     finest = max(float(np.min(limits[maxabs > 0])), 1e-30) if np.any(maxabs > 0) else 1e-30
     coarsest = max(float(np.max(maxabs)) * 4, finest)
     goal = math.log(max(model_sse, 1e-300))
-
-    def log_sse(step: float) -> float:
-        return math.log(max(sse(step), 1e-300))
-
-    # Start from the high-rate guess (error step**2 / 12 per stored value), widen by 2x to a bracket
-    # [lo, hi] with sse(lo) <= budget < sse(hi), then refine by false position on (log step, log sse),
-    # where the curve is nearly a line of slope 2, alternating with bisection so the bracket always shrinks.
+    # the high-rate guess: error step**2 / 12 per stored value
     guess = math.sqrt(12 * max(model_sse - dropped, 0.0) / max(values.size, 1))
     step = min(max(guess, finest), coarsest)
+    factor = 2.0
+    if values.size > 2 * SEARCH_SAMPLE:
+        sub, sub_starts = _search_sample(values, seg_starts)
+        # aim at the middle of the accepted window, so the exact check below usually accepts at once
+        step = _search(log_sse(sub, sub_starts, values.size / sub.size), step, finest, coarsest,
+                       goal + math.log(1 - SEARCH_SLACK / 2), SEARCH_SLACK / 4, 2.0)
+        factor = 1.005
+    return _search(log_sse(values, seg_starts, 1.0), step, finest, coarsest, goal, SEARCH_SLACK, factor), target_sse
+
+
+def _search_sample(values: np.ndarray, seg_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """About SEARCH_SAMPLE of the band-major values, one from each equal stretch at a quasi-random offset
+    (a plain stride would alias with the block grid), and where each band run starts among them."""
+    stride = values.size / SEARCH_SAMPLE
+    i = np.arange(SEARCH_SAMPLE)
+    index = ((i + (i * 0.6180339887498949) % 1.0) * stride).astype(np.int64)
+    return values[index], np.searchsorted(index, seg_starts).astype(np.int64)
+
+
+def _search(log_sse, step: float, finest: float, coarsest: float, goal: float, slack: float,
+            factor: float) -> float:
+    """The largest step in [finest, coarsest] with ``log_sse(step) <= goal``, to within ``slack`` of the
+    budget (or a 1% bracket). From ``step``, widen by ``factor`` (growing up to 2x) to a bracket [lo, hi]
+    with sse(lo) <= budget < sse(hi), then refine by false position on (log step, log sse), where the
+    curve is nearly a line of slope 2, alternating with bisection so the bracket always shrinks."""
+    window = goal + math.log(1 - slack)
     f = log_sse(step)
     lo = hi = None
     if f <= goal:
         lo, f_lo = step, f
         while hi is None:
-            if lo >= coarsest:
-                return coarsest, target_sse
-            step = min(lo * 2, coarsest)
+            if f_lo >= window or lo >= coarsest:
+                return lo
+            step = min(lo * factor, coarsest)
+            factor = min(factor * factor, 2.0)
             f = log_sse(step)
             if f <= goal:
                 lo, f_lo = step, f
@@ -206,15 +234,16 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
         hi, f_hi = step, f
         while lo is None:
             if hi <= finest:
-                return finest, target_sse
-            step = max(hi / 2, finest)
+                return finest
+            step = max(hi / factor, finest)
+            factor = min(factor * factor, 2.0)
             f = log_sse(step)
             if f > goal:
                 hi, f_hi = step, f
             else:
                 lo, f_lo = step, f
     for i in range(40):
-        if hi / lo <= 1.01 or f_lo >= goal + math.log(0.98):
+        if hi / lo <= 1.01 or f_lo >= window:
             break
         if i % 2 == 0 and f_hi > f_lo:
             t = (goal - f_lo) / (f_hi - f_lo)
@@ -227,7 +256,7 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
             lo, f_lo = step, f
         else:
             hi, f_hi = step, f
-    return lo, target_sse
+    return lo
 
 
 def _counted_rows(x: np.ndarray, axes: tuple[int, ...], valid_rows: int | None = None) -> np.ndarray:

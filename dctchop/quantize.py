@@ -96,6 +96,21 @@ def _dequantize_scatter(stored, first, seg_starts, seg_bands, steps, index, out)
             out[index[i]] = stored[shift + i] * step
 
 
+@numba.njit(nogil=True, cache=True)
+def _energy(a):  # pragma: no cover - compiled
+    total = 0.0
+    for i in range(a.size):
+        v = np.float64(a[i])
+        total += v * v
+    return total
+
+
+def energy(a: np.ndarray) -> float:
+    """Sum of squares in float64, without a float64 copy of ``a``."""
+    a = np.ascontiguousarray(a if a.dtype != np.float16 else a.astype(np.float32)).reshape(-1)
+    return float(_energy(a))
+
+
 def band_maxabs(values: np.ndarray, seg_starts: np.ndarray, seg_bands: np.ndarray, n_bands: int) -> np.ndarray:
     """Largest magnitude of each band over all its runs (float64, zeros for empty bands)."""
     out = np.zeros(n_bands)

@@ -240,6 +240,15 @@ def test_psnr_target_float_field_with_peak(precision, target):
     assert target - 0.05 <= achieved <= target + 3.0
 
 
+@pytest.mark.parametrize("target", [35.0, 45.0])
+def test_psnr_target_on_a_chunk_large_enough_for_the_subsampled_search(target):
+    # more than 2 * SEARCH_SAMPLE coefficients: the step comes from a subsample, then an exact check
+    x = smooth_uint8_stack(seed=3, n=64, h=64, w=64, noise=2.0)
+    s = ChunkSettings((1, 2), (8, 8), (8, 8), precision="int16", target_psnr=target)
+    y = decode_chunk(encode_chunk(x, s), x.shape, x.dtype)
+    assert target <= measured_psnr(x, y, 255.0) <= target + 0.3
+
+
 @pytest.mark.parametrize("precision", ["int8", "int16"])
 def test_lower_psnr_target_uses_coarser_steps(precision):
     x = smooth_uint8_stack(seed=2)

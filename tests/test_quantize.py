@@ -177,6 +177,12 @@ def test_int_precisions_never_saturate(precision, base_step):
     assert np.max(ratio) <= 0.5 + slack
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "int16", "float16", "float32", "float64"])
+def test_energy_is_the_float64_sum_of_squares(dtype):
+    x = (np.random.default_rng(3).standard_normal((5, 7, 9)) * 40).astype(dtype)
+    assert qz.energy(x) == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-12)
+
+
 def test_band_maxabs_and_step_requirements():
     values = np.array([1.0, -3.0, 2.0, -0.5, 0.0])
     starts = np.array([0, 2, 3, 5])
