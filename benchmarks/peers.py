@@ -5,7 +5,7 @@ is searched (bisection) until the achieved ratio is within 0.5% of R where the k
 2% counts as reaching R, one further off says so, and so does a method that cannot reach R at all. Then the
 data is compressed and decompressed once more (median of a few timed runs) and measured on the decoded values:
 
-    dctchop             the codec itself (ChunkSettings + encode_chunk/decode_chunk, zstd level 3 on top, +4
+    dctchop             the codec itself (ChunkSettings + encode_chunk/decode_chunk, the store's zstd on top, +4
                         bytes per chunk for the store's crc32c) with the store's default axes (RGB: the
                         channel axis too, as one block of 3): keep = block, base step searched; int8 and int16
                         storage x square and triangle masks (x with and without the colour axis for RGB);
@@ -22,7 +22,7 @@ data is compressed and decompressed once more (median of a few timed runs) and m
                         scaled to 8 bits and coded per 2-D plane
     jpeg (abbrev.)      the same streams with the tables/header counted once per set (JPEG's "abbreviated"
                         format), for stacks of equal-size images where the 623-byte header dominates
-    zstd                lossless zstd level 3 (one row: its fixed ratio)
+    zstd                lossless zstd at the store's level (one row: its fixed ratio)
 
 Datasets (nothing is downloaded):
 
@@ -75,11 +75,11 @@ import numpy as np
 
 from dctchop.codec import ChunkSettings, decode_chunk, encode_chunk
 from dctchop.layout import colour_axis, infer_axes
+from dctchop.store import ZSTD_LEVEL
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIO_TOL = 0.02          # a result within 2% of the target ratio counts as reaching it
 SEARCH_TOL = 0.005        # searches go on to 0.5% where the parameter allows, so variants compare fairly
-ZSTD_LEVEL = 3            # as the store
 CRC_BYTES = 4             # the store's crc32c per chunk
 CHUNK_BYTES = 4 << 20     # as the store: about 4 MB of input per chunk, along axis 0
 BLOCK = 8
@@ -592,7 +592,7 @@ def run_zstd(ds: Dataset, repeats: int) -> list[Result]:
     zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
     codec = Codec(lambda x: [zstd.encode(x)],
                   lambda parts, like: np.frombuffer(zstd.decode(parts[0]), like.dtype).reshape(like.shape))
-    return [measure(ds, codec, Result(ds.name, "zstd", "level 3", None, setting="lossless"), repeats)]
+    return [measure(ds, codec, Result(ds.name, "zstd", f"level {ZSTD_LEVEL}", None, setting="lossless"), repeats)]
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -57,7 +57,7 @@ from dctchop.transform import make_plan, per_axis, resolve_threads
 STORE_FORMAT = 1
 META_GROUP = "dctchop_meta"
 SINGLE_ARRAY_NAME = "data"
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1  # on bit-plane payloads as small as level 3 (images: 3% smaller), 2-2.5x faster
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_PSNR_INTEGER = 40.0
 DEFAULT_PSNR_FLOAT = 60.0

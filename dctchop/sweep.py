@@ -12,7 +12,7 @@ Everything runs in-process on a sample of the array:
   ``40..80`` (floating-point data) x ``--precision int8|int16`` with block 8; and blocks 4 and 16 at the
   middle PSNR target with int16.
 * **Measurements**, per setting: the sample is cut into the chunks the store would use and each chunk is
-  encoded exactly as :func:`dctchop.store.compress` does (``encode_chunk`` -> zstd level 3 -> 4-byte
+  encoded exactly as :func:`dctchop.store.compress` does (``encode_chunk`` -> zstd -> 4-byte
   crc32c), so *ratio* = sample bytes / stored chunk bytes (the store adds a few hundred bytes of metadata
   per array); *PSNR* = ``20 log10(peak) - 10 log10(MSE)`` over the decoded sample with peak = the dtype's
   range for integer data and max - min **of the sample** for floating-point data (the store uses the whole
