@@ -40,16 +40,6 @@ def _zigzag(v, bits):  # pragma: no cover - compiled
     return np.uint64((np.int64(v) << 1) ^ (np.int64(v) >> (bits - 1))) & np.uint64((1 << bits) - 1)
 
 
-@numba.njit(nogil=True, cache=True)
-def _masks(q, seg_starts, masks):  # pragma: no cover - compiled
-    bits = 8 * q.itemsize
-    for s in range(seg_starts.size - 1):
-        m = np.uint64(0)
-        for i in range(seg_starts[s], seg_starts[s + 1]):
-            m |= _zigzag(q[i], bits)
-        masks[s] = m
-
-
 @numba.njit(inline="always")
 def _set_planes(byte_mask, planes_out):  # pragma: no cover - compiled
     """Indices of the set bits of one mask byte, most significant first; returns how many."""
@@ -61,29 +51,47 @@ def _set_planes(byte_mask, planes_out):  # pragma: no cover - compiled
     return n
 
 
+@numba.njit(inline="always")
+def _emit(word, planes, n_set, first, groups, g, out):  # pragma: no cover - compiled
+    """Write the set planes of one group's 8 bytes (one byte of each value) to their places in ``out``."""
+    word = _transpose8(word)
+    for j in range(n_set):
+        out[first + j * groups + g] = np.uint8((word >> np.uint64(8 * planes[j])) & np.uint64(0xFF))
+
+
 @numba.njit(nogil=True, cache=True)
 def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
-    n_bytes = q.itemsize
-    bits = 8 * n_bytes
-    set_planes = np.empty(8, dtype=np.int64)
+    """Masks and planes run by run: a run is read once for its mask and once more, still in cache, for its
+    planes; each group of 8 values is zigzagged once for both bytes. Returns the bytes written."""
+    bits = 8 * q.itemsize
+    lo_planes = np.empty(8, dtype=np.int64)
+    hi_planes = np.empty(8, dtype=np.int64)
     pos = 0
     for s in range(seg_starts.size - 1):
         start, stop = seg_starts[s], seg_starts[s + 1]
+        m = np.uint64(0)
+        for i in range(start, stop):
+            m |= _zigzag(q[i], bits)
+        masks[s] = m
+        if m == 0:
+            continue
         groups = (stop - start + 7) // 8
-        for byte in range(n_bytes - 1, -1, -1):
-            n_set = _set_planes((masks[s] >> np.uint64(8 * byte)) & np.uint64(0xFF), set_planes)
-            if n_set == 0:
-                continue
-            shift = np.uint64(8 * byte)
-            for g in range(groups):
-                base = start + g * 8
-                word = np.uint64(0)
-                for k in range(min(8, stop - base)):
-                    word |= ((_zigzag(q[base + k], bits) >> shift) & np.uint64(0xFF)) << np.uint64(8 * k)
-                word = _transpose8(word)
-                for j in range(n_set):
-                    out[pos + j * groups + g] = np.uint8((word >> np.uint64(8 * set_planes[j])) & np.uint64(0xFF))
-            pos += n_set * groups
+        n_hi = _set_planes((m >> np.uint64(8)) & np.uint64(0xFF), hi_planes)  # 0 for int8
+        n_lo = _set_planes(m & np.uint64(0xFF), lo_planes)
+        first_lo = pos + n_hi * groups  # the high byte's planes come first
+        for g in range(groups):
+            base = start + g * 8
+            lo = np.uint64(0)
+            hi = np.uint64(0)
+            for k in range(min(8, stop - base)):
+                z = _zigzag(q[base + k], bits)
+                lo |= (z & np.uint64(0xFF)) << np.uint64(8 * k)
+                hi |= ((z >> np.uint64(8)) & np.uint64(0xFF)) << np.uint64(8 * k)
+            if n_hi:
+                _emit(hi, hi_planes, n_hi, pos, groups, g, out)
+            if n_lo:
+                _emit(lo, lo_planes, n_lo, first_lo, groups, g, out)
+        pos = first_lo + n_lo * groups
     return pos
 
 
@@ -127,13 +135,13 @@ def _unpack(planes, seg_starts, masks, q):  # pragma: no cover - compiled
 
 def to_planes(q: np.ndarray, seg_starts: np.ndarray) -> bytes:
     """int8/int16 band-major values -> masks + bit planes."""
-    masks = np.zeros(seg_starts.size - 1, dtype=np.uint64)
-    _masks(q, seg_starts, masks)
-    groups = (np.diff(seg_starts) + 7) // 8
-    planes = [int(m).bit_count() for m in masks]
-    out = np.empty(int(np.dot(groups, planes)), dtype=np.uint8)
-    _pack(q, seg_starts, masks, out)
-    return masks.astype(f"<u{q.itemsize}").tobytes() + out.tobytes()
+    n_runs = seg_starts.size - 1
+    masks = np.empty(n_runs, dtype=np.uint64)
+    head = n_runs * q.itemsize
+    out = np.empty(head + q.itemsize * 8 * int(np.sum((np.diff(seg_starts) + 7) // 8)), dtype=np.uint8)
+    n = _pack(q, seg_starts, masks, out[head:])
+    out[:head] = masks.astype(f"<u{q.itemsize}").view(np.uint8)
+    return out[: head + n].tobytes()
 
 
 @numba.njit(nogil=True, cache=True)
