@@ -35,6 +35,7 @@ import asyncio
 import math
 import struct
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -101,19 +102,19 @@ class ChunkSettings:
 
 def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> bytes:
     """Compress one chunk into a self-describing byte string."""
-    return _encode(x, settings, threads, reconstruct=False)[0]
+    return _encode(x, settings, threads, measure=False)[0]
 
 
-def encode_and_reconstruct(x: np.ndarray, settings: ChunkSettings, threads: int = 1,
-                           valid_rows: int | None = None) -> tuple[bytes, np.ndarray]:
-    """:func:`encode_chunk`, plus the array those bytes decode to (what :func:`decode_chunk` returns), for
-    callers that measure the error: a PSNR target has built it already. ``valid_rows``: only the first rows
-    along axis 0 are data (the rest pads a partial chunk), so a PSNR target is measured on those."""
-    data, y = _encode(x, settings, threads, reconstruct=True, valid_rows=valid_rows)
-    return data, y
+def encode_and_measure(x: np.ndarray, settings: ChunkSettings, threads: int = 1,
+                       valid_rows: int | None = None) -> tuple[bytes, float, float]:
+    """:func:`encode_chunk`, plus (sum of squared error, max abs error) of what those bytes decode to
+    against ``x``: a PSNR target measures that anyway. ``valid_rows``: only the first rows along axis 0
+    are data (the rest pads a partial chunk), so the target and the measurement count those."""
+    data, stats = _encode(x, settings, threads, measure=True, valid_rows=valid_rows)
+    return data, *stats
 
 
-def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, reconstruct: bool,
+def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
             valid_rows: int | None = None):
     native = x.dtype.newbyteorder("=")
     if native not in DTYPE_CODES:
@@ -126,38 +127,38 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, reconstruct: b
     weights = None if settings.weights is None else np.asarray(settings.weights, dtype=np.float64)
     if weights is not None and weights.size != len(plan.bands):
         raise DctchopError(f"weights need one value per band ({len(plan.bands)}), got {weights.size}")
-    step = settings.step
+    rows = _counted_rows(x, plan.axes, valid_rows) if measure or settings.target_psnr is not None else None
+    step, stored, stats = settings.step, None, None
     if settings.target_psnr is not None:
-        rows = _counted_rows(x, plan.axes, valid_rows)
-        step, target_sse = _step_for_psnr(x, values, maxabs, plan, settings, weights, rows)
+        step, target_sse, stored = _step_for_psnr(x, values, maxabs, plan, settings, weights, rows)
     steps = qz.choose_steps(maxabs, settings.precision, step, weights)
-    stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
-    y = None
+    if stored is None:
+        stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
     if settings.target_psnr is not None:
         # The error model is exact in coefficient space; rounding and clipping integer outputs make the real
         # error differ slightly. Check the reconstruction itself and tighten the step until the target holds.
         finest = qz.choose_steps(maxabs, settings.precision)
         for attempt in range(PSNR_RETRIES):
-            y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
-            met = qz.error_stats(x, y, rows)[0] <= target_sse
-            if met or np.all(steps <= finest) or attempt == PSNR_RETRIES - 1:
+            stats = qz.error_stats(x, _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads), rows)
+            if stats[0] <= target_sse or np.all(steps <= finest) or attempt == PSNR_RETRIES - 1:
                 break
             step *= PSNR_RETRY_FACTOR
             steps = qz.choose_steps(maxabs, settings.precision, step, weights)
             stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
-    if reconstruct and y is None:
-        y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
+    if measure and stats is None:
+        stats = qz.error_stats(x, _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads), rows)
     unit = settings.precision in ("float32", "bfloat16")
     if settings.precision in qz.INT_PRECISIONS:
         payload, flags = to_planes(stored, seg_starts), FLAG_BITPLANES
     else:
         payload, flags = stored.tobytes(), 0
-    return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size, flags) + payload, y
+    return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size, flags) + payload, stats
 
 
-def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, rows) -> tuple[float, float]:
-    """(step, target SSE): the largest base step whose modelled error meets the chunk's PSNR target, and the
-    squared-error budget the reconstruction must stay within.
+def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, rows):
+    """(step, target SSE, stored values or None): the largest base step whose modelled error meets the
+    chunk's PSNR target, the squared-error budget the reconstruction must stay within, and the quantized
+    values at that step when its exact evaluation made them.
 
     The step is found on a subsample of the coefficients (cheap), then confirmed and refined on all of them,
     usually with one or two exact evaluations. When the mask alone already misses the target, the finest
@@ -175,15 +176,17 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
     # Parseval: what the mask drops is sum x**2 - sum c**2; zero when every coefficient is kept
     dropped = 0.0 if values.size == x.size else max(qz.energy(x) - qz.energy(values), 0.0)
 
-    def log_sse(vals, starts, scale):
-        def f(step: float) -> float:
-            steps = qz.choose_steps(maxabs, settings.precision, step, weights)
-            error = qz.coefficient_error(vals, steps, starts, seg_bands, settings.precision)
-            return math.log(max(dropped + scale * error, 1e-300))
-        return f
+    precision = settings.precision
+    last = {"step": None, "stored": None}
+
+    def exact(step: float) -> float:  # keeps the quantized values: the last evaluation is usually the answer
+        stored, error = qz.quantize_with_error(values, qz.choose_steps(maxabs, precision, step, weights),
+                                               seg_starts, seg_bands, precision)
+        last.update(step=step, stored=stored)
+        return math.log(max(dropped + error, 1e-300))
 
     # below `finest` every band sits at its no-saturation limit maxabs / qmax, above `coarsest` all is zero
-    limits = maxabs / qz.QMAX[settings.precision] / (1.0 if weights is None else weights)
+    limits = maxabs / qz.QMAX[precision] / (1.0 if weights is None else weights)
     finest = max(float(np.min(limits[maxabs > 0])), 1e-30) if np.any(maxabs > 0) else 1e-30
     coarsest = max(float(np.max(maxabs)) * 4, finest)
     goal = math.log(max(model_sse, 1e-300))
@@ -193,20 +196,35 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
     factor = 2.0
     if values.size > 2 * SEARCH_SAMPLE:
         sub, sub_starts = _search_sample(values, seg_starts)
+        scale = values.size / sub.size
+
+        def estimate(step: float) -> float:
+            steps = qz.choose_steps(maxabs, precision, step, weights)
+            return math.log(max(dropped + scale * qz.coefficient_error(sub, steps, sub_starts, seg_bands,
+                                                                       precision), 1e-300))
+
         # aim at the middle of the accepted window, so the exact check below usually accepts at once
-        step = _search(log_sse(sub, sub_starts, values.size / sub.size), step, finest, coarsest,
-                       goal + math.log(1 - SEARCH_SLACK / 2), SEARCH_SLACK / 4, 2.0)
+        step = _search(estimate, step, finest, coarsest, goal + math.log(1 - SEARCH_SLACK / 2),
+                       SEARCH_SLACK / 4, 2.0)
         factor = 1.005
-    return _search(log_sse(values, seg_starts, 1.0), step, finest, coarsest, goal, SEARCH_SLACK, factor), target_sse
+    step = _search(exact, step, finest, coarsest, goal, SEARCH_SLACK, factor)
+    return step, target_sse, last["stored"] if last["step"] == step else None
 
 
 def _search_sample(values: np.ndarray, seg_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """About SEARCH_SAMPLE of the band-major values, one from each equal stretch at a quasi-random offset
-    (a plain stride would alias with the block grid), and where each band run starts among them."""
-    stride = values.size / SEARCH_SAMPLE
-    i = np.arange(SEARCH_SAMPLE)
-    index = ((i + (i * 0.6180339887498949) % 1.0) * stride).astype(np.int64)
+    """SEARCH_SAMPLE of the band-major values, and where each band run starts among them."""
+    index = _sample_index(values.size)
     return values[index], np.searchsorted(index, seg_starts).astype(np.int64)
+
+
+@lru_cache(maxsize=16)
+def _sample_index(n: int) -> np.ndarray:
+    """One position from each of SEARCH_SAMPLE equal stretches of ``n``, at a quasi-random offset (a plain
+    stride would alias with the block grid)."""
+    i = np.arange(SEARCH_SAMPLE)
+    index = ((i + (i * 0.6180339887498949) % 1.0) * (n / SEARCH_SAMPLE)).astype(np.int64)
+    index.setflags(write=False)
+    return index
 
 
 def _search(log_sse, step: float, finest: float, coarsest: float, goal: float, slack: float,

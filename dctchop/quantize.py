@@ -75,13 +75,17 @@ def _quantize_int(values, seg_starts, seg_bands, steps, qmax, out):  # pragma: n
 
 
 @numba.njit(nogil=True, cache=True)
-def _int_error(values, seg_starts, seg_bands, steps, qmax):  # pragma: no cover - compiled
+def _int_error(values, seg_starts, seg_bands, steps, qmax, out):  # pragma: no cover - compiled
+    """Squared quantization error; the quantized values go to ``out`` unless it is empty."""
+    keep = out.size > 0
     total = 0.0
     for s in range(seg_bands.size):
         step = steps[seg_bands[s]]
         inv = 1.0 / step
         for i in range(seg_starts[s], seg_starts[s + 1]):
             q = min(max(np.floor(values[i] * inv + 0.5), -qmax), qmax)
+            if keep:
+                out[i] = q
             d = values[i] - q * step
             total += d * d
     return total
@@ -194,10 +198,18 @@ def bfloat16_bits_to_float32(b: np.ndarray) -> np.ndarray:
 def coefficient_error(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str) -> float:
     """Exact sum of squared quantization error over the stored coefficients (float64)."""
     if precision in INT_PRECISIONS:
-        return float(_int_error(values, seg_starts, seg_bands, steps, float(QMAX[precision])))
+        nothing = np.empty(0, dtype=STORAGE_DTYPES[precision])
+        return float(_int_error(values, seg_starts, seg_bands, steps, float(QMAX[precision]), nothing))
     restored = dequantize(quantize(values, steps, seg_starts, seg_bands, precision), steps, seg_starts,
                           seg_bands, precision, np.float64)
     return float(np.sum((values.astype(np.float64) - restored) ** 2))
+
+
+def quantize_with_error(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands,
+                        precision: str) -> tuple[np.ndarray, float]:
+    """(:func:`quantize`, :func:`coefficient_error`) of an integer precision in one pass."""
+    out = np.empty(values.shape, dtype=STORAGE_DTYPES[precision])
+    return out, float(_int_error(values, seg_starts, seg_bands, steps, float(QMAX[precision]), out))
 
 
 def expected_mse(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, n_total: int,

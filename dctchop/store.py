@@ -44,7 +44,7 @@ from dctchop.codec import (
     DTYPE_CODES,
     ChunkSettings,
     DctChopCodec,
-    encode_and_reconstruct,
+    encode_and_measure,
     encode_chunk,
     read_header,
 )
@@ -400,8 +400,14 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
 def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, float, float]:
     """(PSNR, max abs error, RMSE) of a decoded chunk."""
     sse, worst = qz.error_stats(x, y)
-    mse = sse / x.size if x.size else 0.0
-    return qz.psnr(mse, peak), worst, math.sqrt(mse)
+    psnr, rmse = _psnr_rmse(sse, x.size, peak)
+    return psnr, worst, rmse
+
+
+def _psnr_rmse(sse: float, n: int, peak: float) -> tuple[float, float]:
+    """(PSNR, RMSE) of ``n`` values with squared error ``sse``."""
+    mse = sse / n if n else 0.0
+    return qz.psnr(mse, peak), math.sqrt(mse)
 
 
 def _metadata_bytes(root: Location, plan: ArrayPlan) -> int:
@@ -437,9 +443,8 @@ def encode_chunk_task(plan: ArrayPlan, root: Location, i: int, start: int, stop:
     src = plan.source
     x = src.read(start, stop)
     chunk = _pad_to_chunk(x, plan.chunks, edge=0 in plan.axes)
-    data, y = encode_and_reconstruct(chunk, plan.settings, valid_rows=stop - start)
-    y = y[: stop - start]
-    psnr, max_err, rmse = _chunk_metrics(x, y, plan.peak)
+    data, sse, max_err = encode_and_measure(chunk, plan.settings, valid_rows=stop - start)
+    psnr, rmse = _psnr_rmse(sse, x.size, plan.peak)
     target = plan.settings.target_psnr
     if target is not None and psnr < target - PSNR_TOLERANCE_DB:
         raise DctchopError(f"{plan.name}: --psnr {target:g} is above what this data allows with "
