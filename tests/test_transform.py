@@ -41,6 +41,7 @@ CASES = [
     ((100,), (0,), (64,), (31,)),
     ((3, 5), (1,), (16,), (10,)),
     ((11, 2, 9), (0, 2), (3, 2), (2, 1)),
+    ((2, 12, 10, 3), (1, 2, 3), (8, 4, 3), (5, 3, 3)),  # NHWC with the colour axis (a fused pass)
 ]
 CASE_IDS = ["x".join(map(str, c[0])) + "-ax" + "".join(map(str, c[1])) for c in CASES]
 
@@ -417,6 +418,8 @@ def test_forward_reference_property(params):
         ((256, 256), (0,), 8, 8, "square", "float64"),  # outer extent 1: split over the inner one
         ((300, 256), (0, 1), (8, 16), (7, 9), "square", "uint16"),
         ((3, 64, 40, 12), (1, 2, 3), (8, 8, 4), (6, 5, 3), "triangle", "int16"),
+        ((8, 64, 48, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "uint8"),  # NHWC, colour axis fused
+        ((1, 8192, 3), (1, 2), (8, 3), (8, 3), "square", "float32"),  # the same with a single outer row
     ],
 )
 def test_threads_give_identical_results(shape, axes, block, keep, mask, dtype):
