@@ -36,11 +36,6 @@ def _transpose8(x):  # pragma: no cover - compiled
 
 
 @numba.njit(inline="always")
-def _zigzag(v, bits):  # pragma: no cover - compiled
-    return np.uint64((np.int64(v) << 1) ^ (np.int64(v) >> (bits - 1))) & np.uint64((1 << bits) - 1)
-
-
-@numba.njit(inline="always")
 def _set_planes(byte_mask, planes_out):  # pragma: no cover - compiled
     """Indices of the set bits of one mask byte, most significant first; returns how many."""
     n = 0
@@ -59,38 +54,56 @@ def _emit(word, planes, n_set, first, groups, g, out):  # pragma: no cover - com
         out[first + j * groups + g] = np.uint8((word >> np.uint64(8 * planes[j])) & np.uint64(0xFF))
 
 
+@numba.njit(inline="always")
+def _even_bytes(w):  # pragma: no cover - compiled
+    """The bytes at even positions of ``w`` packed into its low 32 bits."""
+    w &= np.uint64(0x00FF00FF00FF00FF)
+    w = (w | (w >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+    return (w | (w >> np.uint64(16))) & np.uint64(0x00000000FFFFFFFF)
+
+
 @numba.njit(nogil=True, cache=True)
 def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
-    """Masks and planes run by run: a run is read once for its mask and once more, still in cache, for its
-    planes; each group of 8 values is zigzagged once for both bytes. Returns the bytes written."""
+    """Masks and planes run by run; returns the bytes written. A run is zigzagged once into a buffer (taking
+    its mask on the way), which read as 64-bit words gives each group of 8 values' low and high bytes with a
+    few shifts (numba's targets are all little-endian)."""
     bits = 8 * q.itemsize
+    longest = 0
+    for s in range(seg_starts.size - 1):
+        longest = max(longest, seg_starts[s + 1] - seg_starts[s])
+    zigzag = np.zeros((longest + 7) // 8 * 8, dtype=q.dtype)
+    words = zigzag.view(np.uint64)
     lo_planes = np.empty(8, dtype=np.int64)
     hi_planes = np.empty(8, dtype=np.int64)
     pos = 0
     for s in range(seg_starts.size - 1):
-        start, stop = seg_starts[s], seg_starts[s + 1]
-        m = np.uint64(0)
-        for i in range(start, stop):
-            m |= _zigzag(q[i], bits)
+        start, n = seg_starts[s], seg_starts[s + 1] - seg_starts[s]
+        groups = (n + 7) // 8
+        m = 0
+        for i in range(n):
+            v = np.int64(q[start + i])
+            z = (v << 1) ^ (v >> (bits - 1))
+            zigzag[i] = z
+            m |= z
+        zigzag[n : groups * 8] = 0
+        m = np.uint64(m) & np.uint64((1 << bits) - 1)
         masks[s] = m
         if m == 0:
             continue
-        groups = (stop - start + 7) // 8
         n_hi = _set_planes((m >> np.uint64(8)) & np.uint64(0xFF), hi_planes)  # 0 for int8
         n_lo = _set_planes(m & np.uint64(0xFF), lo_planes)
         first_lo = pos + n_hi * groups  # the high byte's planes come first
         for g in range(groups):
-            base = start + g * 8
-            lo = np.uint64(0)
-            hi = np.uint64(0)
-            for k in range(min(8, stop - base)):
-                z = _zigzag(q[base + k], bits)
-                lo |= (z & np.uint64(0xFF)) << np.uint64(8 * k)
-                hi |= ((z >> np.uint64(8)) & np.uint64(0xFF)) << np.uint64(8 * k)
+            if bits == 8:
+                _emit(words[g], lo_planes, n_lo, first_lo, groups, g, out)
+                continue
+            w0, w1 = words[2 * g], words[2 * g + 1]  # values 8g..8g+3 and 8g+4..8g+7
             if n_hi:
+                hi = _even_bytes(w0 >> np.uint64(8)) | (_even_bytes(w1 >> np.uint64(8)) << np.uint64(32))
                 _emit(hi, hi_planes, n_hi, pos, groups, g, out)
             if n_lo:
-                _emit(lo, lo_planes, n_lo, first_lo, groups, g, out)
+                _emit(_even_bytes(w0) | (_even_bytes(w1) << np.uint64(32)), lo_planes, n_lo, first_lo, groups, g,
+                      out)
         pos = first_lo + n_lo * groups
     return pos
 

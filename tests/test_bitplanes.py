@@ -25,6 +25,32 @@ def test_round_trip_is_exact(dtype, data):
     np.testing.assert_array_equal(from_planes(payload, seg, dtype), q)
 
 
+def reference_planes(q: np.ndarray, seg: np.ndarray) -> bytes:
+    """The layout the module docstring describes, written plainly with numpy (the format, pinned)."""
+    bits = 8 * q.itemsize
+    v = q.astype(np.int64)
+    z = ((v << 1) ^ (v >> (bits - 1))) & ((1 << bits) - 1)
+    masks, planes = [], []
+    for s, e in zip(seg[:-1], seg[1:]):
+        m = int(np.bitwise_or.reduce(z[s:e])) if e > s else 0
+        masks.append(m)
+        padded = np.zeros(-(-(e - s) // 8) * 8, dtype=np.int64)
+        padded[: e - s] = z[s:e]
+        for p in range(bits - 1, -1, -1):
+            if m >> p & 1:
+                planes.append(np.packbits((padded >> p & 1).astype(np.uint8), bitorder="little").tobytes())
+    return np.array(masks, dtype=f"<u{q.itemsize}").tobytes() + b"".join(planes)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(dtype=st.sampled_from([np.int8, np.int16]), data=st.data())
+def test_planes_match_the_documented_layout(dtype, data):
+    info = np.iinfo(dtype)
+    q = data.draw(arrays(dtype, st.integers(0, 300), elements=st.integers(info.min, info.max)))
+    seg = runs(q.size, data.draw(st.lists(st.integers(0, 400), max_size=6)))
+    assert to_planes(q, seg) == reference_planes(q, seg)
+
+
 def test_zero_runs_store_only_their_masks():
     q = np.zeros(1000, dtype=np.int8)
     q[:8] = [1, -1, 2, -2, 3, -3, 0, 0]
