@@ -225,13 +225,15 @@ def expected_mse(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, n
 
 
 @numba.njit(nogil=True, cache=True)
-def _error_stats(x, y, rows):  # pragma: no cover - compiled
-    sse = 0.0
-    worst = 0.0
+def _error_stats(x, y, rows, zero):  # pragma: no cover - compiled
+    """Accumulates in the type of ``zero``: float64, or for integer data int64, which is exact and vectorises
+    (a float64 sum in strict order does not)."""
+    sse = zero
+    worst = zero
     for i in range(x.shape[0]):
         if rows[i]:
             for j in range(x.shape[1]):
-                d = np.float64(y[i, j]) - np.float64(x[i, j])
+                d = y[i, j] - (zero + x[i, j])
                 sse += d * d
                 worst = max(worst, abs(d))
     return sse, worst
@@ -243,7 +245,8 @@ def error_stats(x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None) ->
         x, y = x.astype(np.float32), y.astype(np.float32)
     n = x.shape[0] if x.ndim else 1
     rows = np.ones(n, dtype=np.bool_) if rows is None else rows
-    sse, worst = _error_stats(x.reshape(n, -1), y.reshape(n, -1), rows)
+    zero = np.int64(0) if x.dtype.kind in "iu" and y.dtype.kind in "iu" else np.float64(0)
+    sse, worst = _error_stats(x.reshape(n, -1), y.reshape(n, -1), rows, zero)
     return float(sse), float(worst)
 
 

@@ -183,6 +183,18 @@ def test_energy_is_the_float64_sum_of_squares(dtype):
     assert qz.energy(x) == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-12)
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "float16", "float32", "float64"])
+def test_error_stats_over_counted_rows(dtype):
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((6, 5, 7)) * 300 + 30000).clip(-32768, 65535).astype(dtype)
+    y = (x.astype(np.float64) + rng.standard_normal(x.shape) * 200).clip(-32768, 65535).astype(dtype)
+    rows = np.array([True, False, True, True, False, True])
+    d = (y.astype(np.float64) - x.astype(np.float64))[rows]
+    sse, worst = qz.error_stats(x, y, rows)
+    assert sse == pytest.approx(float(np.sum(d**2)), rel=1e-12)
+    assert worst == float(np.max(np.abs(d)))
+
+
 def test_band_maxabs_and_step_requirements():
     values = np.array([1.0, -3.0, 2.0, -0.5, 0.0])
     starts = np.array([0, 2, 3, 5])
