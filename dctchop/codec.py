@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -114,19 +114,70 @@ def encode_and_measure(x: np.ndarray, settings: ChunkSettings, threads: int = 1,
     return data, *stats
 
 
-def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
-            valid_rows: int | None = None):
-    native = x.dtype.newbyteorder("=")
-    if native not in DTYPE_CODES:
-        raise DctchopError(f"unsupported dtype {x.dtype}; supported: {', '.join(map(str, DTYPE_CODES))}")
-    x = np.ascontiguousarray(x, dtype=native)
+@dataclass(frozen=True)
+class Coefficients:
+    """A chunk after the transform, before quantization: what every step tried on the chunk shares."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    settings: ChunkSettings
+    plan: TransformPlan
+    values: np.ndarray = field(repr=False)
+    maxabs: np.ndarray = field(repr=False)
+
+
+def transform_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> Coefficients:
+    """The transform half of :func:`encode_chunk`: band-major coefficients, each band's largest magnitude."""
+    x = _native(x)
     plan = make_plan(x.shape, settings.axes, settings.block, settings.keep, settings.mask)
+    _weights(settings, plan)
     _, seg_starts, seg_bands = plan.order
     values = gather(forward(x, plan, threads), plan)
     maxabs = qz.band_maxabs(values, seg_starts, seg_bands, len(plan.bands))
+    return Coefficients(x.shape, x.dtype, settings, plan, values, maxabs)
+
+
+def encode_coefficients(c: Coefficients, step: float | None) -> bytes:
+    """The rest of :func:`encode_chunk` with base step ``step`` (settings without a PSNR target): a search
+    over steps transforms each chunk once."""
+    settings = replace(c.settings, step=step)
+    steps = qz.choose_steps(c.maxabs, settings.precision, step, _weights(settings, c.plan))
+    _, seg_starts, seg_bands = c.plan.order
+    stored = qz.quantize(c.values, steps, seg_starts, seg_bands, settings.precision)
+    return _serialize(c, settings, steps, stored)
+
+
+def _native(x: np.ndarray) -> np.ndarray:
+    native = x.dtype.newbyteorder("=")
+    if native not in DTYPE_CODES:
+        raise DctchopError(f"unsupported dtype {x.dtype}; supported: {', '.join(map(str, DTYPE_CODES))}")
+    return np.ascontiguousarray(x, dtype=native)
+
+
+def _weights(settings: ChunkSettings, plan: TransformPlan) -> np.ndarray | None:
     weights = None if settings.weights is None else np.asarray(settings.weights, dtype=np.float64)
     if weights is not None and weights.size != len(plan.bands):
         raise DctchopError(f"weights need one value per band ({len(plan.bands)}), got {weights.size}")
+    return weights
+
+
+def _serialize(c: Coefficients, settings: ChunkSettings, steps: np.ndarray, stored: np.ndarray) -> bytes:
+    """Header and payload of a chunk's stored values."""
+    unit = settings.precision in ("float32", "bfloat16")
+    if settings.precision in qz.INT_PRECISIONS:
+        payload, flags = to_planes(stored, c.plan.order[1]), FLAG_BITPLANES
+    else:
+        payload, flags = stored.tobytes(), 0
+    return _header(c.shape, c.dtype, settings, None if unit else steps, stored.size, flags) + payload
+
+
+def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
+            valid_rows: int | None = None):
+    x = _native(x)
+    c = transform_chunk(x, settings, threads)
+    plan, values, maxabs = c.plan, c.values, c.maxabs
+    _, seg_starts, seg_bands = plan.order
+    weights = _weights(settings, plan)
     rows = _counted_rows(x, plan.axes, valid_rows) if measure or settings.target_psnr is not None else None
     step, stored, stats = settings.step, None, None
     if settings.target_psnr is not None:
@@ -139,20 +190,17 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
         # error differ slightly. Check the reconstruction itself and tighten the step until the target holds.
         finest = qz.choose_steps(maxabs, settings.precision)
         for attempt in range(PSNR_RETRIES):
-            stats = qz.error_stats(x, _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads), rows)
+            y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
+            stats = qz.error_stats(x, y, rows)
             if stats[0] <= target_sse or np.all(steps <= finest) or attempt == PSNR_RETRIES - 1:
                 break
             step *= PSNR_RETRY_FACTOR
             steps = qz.choose_steps(maxabs, settings.precision, step, weights)
             stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
     if measure and stats is None:
-        stats = qz.error_stats(x, _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads), rows)
-    unit = settings.precision in ("float32", "bfloat16")
-    if settings.precision in qz.INT_PRECISIONS:
-        payload, flags = to_planes(stored, seg_starts), FLAG_BITPLANES
-    else:
-        payload, flags = stored.tobytes(), 0
-    return _header(x.shape, x.dtype, settings, None if unit else steps, stored.size, flags) + payload, stats
+        y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
+        stats = qz.error_stats(x, y, rows)
+    return _serialize(c, settings, steps, stored), stats
 
 
 def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, rows):

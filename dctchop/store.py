@@ -45,7 +45,8 @@ from dctchop.codec import (
     ChunkSettings,
     DctChopCodec,
     encode_and_measure,
-    encode_chunk,
+    encode_coefficients,
+    transform_chunk,
     read_header,
 )
 from dctchop.errors import CorruptChunkError, DctchopError
@@ -228,17 +229,19 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
     the whole array.
     """
     zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
-    ranges = _sample_ranges(plan)
-    sample = [_pad_to_chunk(plan.source.read(*r), plan.chunks, edge=0 in plan.axes) for r in ranges]
+    settings = replace(plan.settings, target_psnr=None)
+    scale, sample = max(plan.peak, 1e-30), []
+    for r in _sample_ranges(plan):  # each sample chunk is transformed once, quantized at every step tried
+        x = _pad_to_chunk(plan.source.read(*r), plan.chunks, edge=0 in plan.axes)
+        scale = max(scale, float(np.abs(x).max()))
+        sample.append(transform_chunk(x, settings, threads))
     n_chunks = len(_chunk_ranges(plan.source.shape[0], plan.chunks[0]))
     original = math.prod(plan.source.shape) * plan.source.dtype.itemsize
 
     def achieved(step: float) -> float:
-        settings = replace(plan.settings, step=step, target_psnr=None)
-        chunk_bytes = sum(len(zstd.encode(encode_chunk(x, settings, threads))) + 4 for x in sample)
+        chunk_bytes = sum(len(zstd.encode(encode_coefficients(c, step))) + 4 for c in sample)
         return original / (chunk_bytes * n_chunks / len(sample) + overhead)
 
-    scale = max(plan.peak, float(max(np.abs(x).max() for x in sample)), 1e-30)
     lo, hi = math.log(scale * 1e-7), math.log(scale * 64)
     if achieved(math.exp(lo)) > ratio * (1 + RATIO_TOLERANCE):
         raise DctchopError(f"{plan.name}: ratio {ratio:g} is lower than the finest {plan.settings.precision} "

@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,7 +27,9 @@ from dctchop.codec import (
     _step_table,
     decode_chunk,
     encode_chunk,
+    encode_coefficients,
     read_header,
+    transform_chunk,
 )
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.transform import compress_array, decompress_array, make_plan
@@ -247,6 +250,15 @@ def test_psnr_target_on_a_chunk_large_enough_for_the_subsampled_search(target):
     s = ChunkSettings((1, 2), (8, 8), (8, 8), precision="int16", target_psnr=target)
     y = decode_chunk(encode_chunk(x, s), x.shape, x.dtype)
     assert target <= measured_psnr(x, y, 255.0) <= target + 0.3
+
+
+@pytest.mark.parametrize("step", [None, 0.5, 4.0])
+def test_transform_once_then_quantize_equals_encode_chunk(step):
+    x = smooth_uint8_stack(seed=4)
+    weights = tuple(np.linspace(1, 3, 21))
+    s = ChunkSettings((1, 2), (8, 8), (6, 6), mask="triangle", precision="int8", weights=weights)
+    coefficients = transform_chunk(x, s)
+    assert encode_coefficients(coefficients, step) == encode_chunk(x, replace(s, step=step))
 
 
 @pytest.mark.parametrize("precision", ["int8", "int16"])
