@@ -5,7 +5,7 @@ is searched (bisection) until the achieved ratio is within 0.5% of R where the k
 2% counts as reaching R, one further off says so, and so does a method that cannot reach R at all. Then the
 data is compressed and decompressed once more (median of a few timed runs) and measured on the decoded values:
 
-    dctchop             the codec itself (ChunkSettings + encode_chunk/decode_chunk, the store's zstd on top, +4
+    dctchop             the codec itself (ChunkSettings + encode_chunk/decode_chunk, store's zstd on top, +4
                         bytes per chunk for the store's crc32c) with the store's default axes (RGB: the
                         channel axis too, as one block of 3): keep = block, base step searched; int8 and int16
                         storage x square and triangle masks (x with and without the colour axis for RGB);
@@ -592,7 +592,8 @@ def run_zstd(ds: Dataset, repeats: int) -> list[Result]:
     zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
     codec = Codec(lambda x: [zstd.encode(x)],
                   lambda parts, like: np.frombuffer(zstd.decode(parts[0]), like.dtype).reshape(like.shape))
-    return [measure(ds, codec, Result(ds.name, "zstd", f"level {ZSTD_LEVEL}", None, setting="lossless"), repeats)]
+    result = Result(ds.name, "zstd", f"level {ZSTD_LEVEL}", None, setting="lossless")
+    return [measure(ds, codec, result, repeats)]
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -102,8 +102,8 @@ def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
                 hi = _even_bytes(w0 >> np.uint64(8)) | (_even_bytes(w1 >> np.uint64(8)) << np.uint64(32))
                 _emit(hi, hi_planes, n_hi, pos, groups, g, out)
             if n_lo:
-                _emit(_even_bytes(w0) | (_even_bytes(w1) << np.uint64(32)), lo_planes, n_lo, first_lo, groups, g,
-                      out)
+                lo = _even_bytes(w0) | (_even_bytes(w1) << np.uint64(32))
+                _emit(lo, lo_planes, n_lo, first_lo, groups, g, out)
         pos = first_lo + n_lo * groups
     return pos
 

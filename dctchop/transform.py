@@ -526,15 +526,13 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
         elif passes and passes[0][0] == a + 1 and _is_rows3(passes[0][1], 1):
             # the colour axis comes next: its 3x3 product rides on this pass. At most one thread per outer
             # row, so _run_split never splits the 3 channels apart.
-            colour = passes.pop(0)[1].matrix.astype(wdt)
-            _run_split(_forward_tiled_colour, cur.reshape(n_outer, length, 3), out.reshape(n_outer, p.kept, 3),
-                       (mat, p.start, p.width, colour), min(threads, n_outer))
-        elif n_inner < SHORT_INNER:
-            _run_split(_forward_tiled, cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner),
-                       (mat, p.start, p.width), threads)
+            args = (mat, p.start, p.width, passes.pop(0)[1].matrix.astype(wdt))
+            src, dst = cur.reshape(n_outer, length, 3), out.reshape(n_outer, p.kept, 3)
+            _run_split(_forward_tiled_colour, src, dst, args, min(threads, n_outer))
         else:
-            _run_split(_forward_3d, cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner),
-                       (mat, p.start, p.width), threads)
+            kernel = _forward_tiled if n_inner < SHORT_INNER else _forward_3d
+            src, dst = cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner)
+            _run_split(kernel, src, dst, (mat, p.start, p.width), threads)
         cur = out
     return cur
 
