@@ -7,11 +7,12 @@ share is shuffled within windows of ``window`` consecutive chunks. Every sample 
 epoch; shares are disjoint and together cover the data; a chunk is decoded by at most two shares (the one
 at each boundary). Within a batch, samples are grouped by chunk so each group is one contiguous copy.
 
-Pipeline. Background threads read, check and decode chunks (numba kernels that release the GIL) and turn
-each decoded chunk into the output layout, dtype and normalisation while it is still whole; one more
-thread gathers the samples of each batch into a fresh contiguous array. ``prefetch`` batches are built ahead
-while the training step runs, decoding runs up to ``window`` chunks ahead of the batches, and a decoded
-chunk is dropped after the last batch that uses it.
+Pipeline. Background threads read, check and decode chunks (numba kernels that release the GIL); one more
+thread gathers the samples of each batch into a fresh contiguous array, converting them to the output
+layout, dtype and normalisation in the same pass (float32 output; other conversions are made on the whole
+chunk in the decoding thread). ``prefetch`` batches are built ahead while the training step runs, decoding
+runs up to ``window`` chunks ahead of the batches, and a decoded chunk is dropped after the last batch that
+uses it.
 
 Device decode. With ``device=`` set, only the stored coefficients of each chunk cross to the device, where
 :mod:`dctchop.torch_decode` runs the inverse transform as batched matmuls; batches are gathered there.
@@ -160,45 +161,57 @@ def _normalisation(mean, std, item_shape: tuple[int, ...], channel_axis: int | N
 
 
 @numba.njit(nogil=True, cache=True)
-def _convert(src, out, scale, shift, transpose, channel_in_a):  # pragma: no cover - compiled
-    """``out = float32(src) * scale[channel] + shift[channel]`` over ``src`` viewed as (n, a, b), written as
-    (n, b, a) when ``transpose``: cast, channel move and normalisation in one pass."""
-    n, a_len, b_len = src.shape
-    for i in range(n):
+def _gather_convert(src, rows, out, scale, shift, transpose, channel_in_a):  # pragma: no cover - compiled
+    """``out[i] = float32(src[rows[i]]) * scale[channel] + shift[channel]`` over ``src`` viewed as (n, a, b),
+    written as (n, b, a) when ``transpose``: gather, cast, channel move and normalisation in one pass."""
+    _, a_len, b_len = src.shape
+    for i in range(rows.size):
+        s = rows[i]
         if transpose:
             for b in range(b_len):
                 for a in range(a_len):
                     c = a if channel_in_a else b
-                    out[i, b, a] = np.float32(src[i, a, b]) * scale[c] + shift[c]
+                    out[i, b, a] = np.float32(src[s, a, b]) * scale[c] + shift[c]
         else:
             for a in range(a_len):
                 for b in range(b_len):
                     c = a if channel_in_a else b
-                    out[i, a, b] = np.float32(src[i, a, b]) * scale[c] + shift[c]
+                    out[i, a, b] = np.float32(src[s, a, b]) * scale[c] + shift[c]
+
+
+def _fused(spec: OutputSpec, dtype: np.dtype) -> bool:
+    """Whether batches are gathered straight from the decoded chunk by :func:`_gather_convert` (float32 out of
+    any stored dtype numba reads): a chunk then stays in its stored dtype, and the float32 copy of it that a
+    separate conversion would write and the gather read again is never made."""
+    return spec.host_dtype == np.float32 and dtype != np.float16 and not (spec.identity and dtype == np.float32)
+
+
+def _gather_into(x: np.ndarray, rows: np.ndarray, out: np.ndarray, spec: OutputSpec) -> None:
+    """``out[i] =`` sample ``rows[i]`` of the decoded chunk ``x`` in the spec's layout and normalisation."""
+    n = x.shape[0]
+    transpose = spec.perm != tuple(range(x.ndim))
+    channels_first_stored = spec.perm[-1] == 1 if transpose else spec.channel_axis == 1
+    if spec.channel_axis is None:
+        src = x.reshape(n, -1, 1)
+    elif channels_first_stored:
+        src = x.reshape(n, x.shape[1], -1)
+    else:
+        src = x.reshape(n, -1, x.shape[-1])
+    channels = 1 if spec.channel_axis is None else (src.shape[1] if channels_first_stored else src.shape[2])
+    scale = np.ones(channels, np.float32) if spec.scale is None else np.broadcast_to(spec.scale.ravel(), channels)
+    shift = np.zeros(channels, np.float32) if spec.shift is None else np.broadcast_to(spec.shift.ravel(), channels)
+    m = rows.size
+    dst = out.reshape(m, src.shape[2], src.shape[1]) if transpose else out.reshape(m, *src.shape[1:])
+    _gather_convert(src, rows, dst, np.ascontiguousarray(scale), np.ascontiguousarray(shift), transpose,
+                    channels_first_stored)
 
 
 def _prepare_host(x: np.ndarray, spec: OutputSpec) -> np.ndarray:
-    """Decoded samples (stored layout and dtype) -> the spec's layout, dtype and normalisation."""
+    """Decoded samples (stored layout and dtype) -> the spec's layout, dtype and normalisation, when
+    :func:`_fused` does not convert them while gathering."""
     if spec.identity and x.dtype == spec.host_dtype:
         return x
-    n = x.shape[0]
-    out = np.empty((n, *spec.item_shape), dtype=np.float32 if spec.host_dtype == np.float32 else spec.host_dtype)
-    if out.dtype == np.float32 and x.dtype != np.float16:  # numba has no float16 arrays
-        ndim = x.ndim
-        transpose = spec.perm != tuple(range(ndim))
-        channels_first_stored = spec.perm[-1] == 1 if transpose else spec.channel_axis == 1
-        if spec.channel_axis is None:
-            src = x.reshape(n, -1, 1)
-        elif channels_first_stored:
-            src = x.reshape(n, x.shape[1], -1)
-        else:
-            src = x.reshape(n, -1, x.shape[-1])
-        channels = 1 if spec.channel_axis is None else (src.shape[1] if channels_first_stored else src.shape[2])
-        scale = np.ones(channels, np.float32) if spec.scale is None else np.broadcast_to(spec.scale.ravel(), channels)
-        shift = np.zeros(channels, np.float32) if spec.shift is None else np.broadcast_to(spec.shift.ravel(), channels)
-        dst = out.reshape(n, src.shape[2], src.shape[1]) if transpose else out.reshape(src.shape)
-        _convert(src, dst, np.ascontiguousarray(scale), np.ascontiguousarray(shift), transpose, channels_first_stored)
-        return out
+    out = np.empty((x.shape[0], *spec.item_shape), dtype=spec.host_dtype)
     work = np.dtype(np.float32) if spec.scale is not None else out.dtype
     tmp = out if work == out.dtype else np.empty(out.shape, dtype=work)
     np.copyto(tmp, x.transpose(spec.perm), casting="unsafe")
@@ -317,6 +330,7 @@ class Loader:
         first = next((n for n in self.names if self.dataset.array(n).lossy), None)
         self.specs = [self._spec(name, name == first, dtype, layout, mean, std) for name in self.names]
         self._views = [self.dataset.array(name) for name in self.names]
+        self._fused = [s.lossy and _fused(s, v.dtype) for s, v in zip(self.specs, self._views)]
         if self.device_decode and not all(v._reader.direct for v, s in zip(self._views, self.specs) if s.lossy):
             raise DctchopError("device decode needs arrays stored as dctchop chunk files; pass device_decode=False")
         self.epoch = 0
@@ -448,10 +462,10 @@ class Loader:
         """Runs in a decoding thread: chunk ``c`` of every array, prepared for gathering (or still coded for
         device decode)."""
         loaded = {}
-        for spec, view in zip(self.specs, self._views):
+        for spec, view, fused in zip(self.specs, self._views, self._fused):
             if spec.lossy and self.device_decode:
                 loaded[spec.name] = view._reader.coded(c)
-            elif spec.lossy:
+            elif spec.lossy and not fused:
                 loaded[spec.name] = _prepare_host(view._reader.decode(c), spec)
             else:
                 loaded[spec.name] = view._reader.decode(c)
@@ -464,15 +478,18 @@ class Loader:
         if device_stage is not None:
             device_stage.prepare(chunks)
         out = []
-        for spec in self.specs:
+        for spec, fused in zip(self.specs, self._fused):
             if device_stage is not None and spec.lossy:
                 out.append(device_stage.gather(spec, batch, chunk_len))
                 continue
             shape = (batch.samples.size, *spec.item_shape)
             buffer, tensor = self._host_buffer(shape, spec.host_dtype)
             for c, lo, hi in batch.groups:
-                np.take(chunks[c][spec.name], batch.samples[lo:hi] - c * chunk_len, axis=0, out=buffer[lo:hi],
-                        mode="clip")
+                x, rows = chunks[c][spec.name], batch.samples[lo:hi] - c * chunk_len
+                if fused:
+                    _gather_into(x, rows, buffer[lo:hi], spec)
+                else:
+                    np.take(x, rows, axis=0, out=buffer[lo:hi], mode="clip")
             out.append(self._to_output(buffer, tensor, spec))
         if device_stage is not None:
             device_stage.release(release)
