@@ -108,12 +108,30 @@ def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
     return pos
 
 
+@numba.njit(inline="always")
+def _word(planes, block, groups, g, n, planes_of):  # pragma: no cover - compiled
+    """The 8 bytes at one byte position of group ``g``: its ``n`` set planes (``planes_of``) gathered from the
+    planes starting at ``block``, transposed."""
+    if n == 0:
+        return np.uint64(0)
+    word = np.uint64(0)
+    for j in range(n):
+        word |= np.uint64(planes[block + j * groups + g]) << np.uint64(8 * planes_of[j])
+    return _transpose8(word)
+
+
+@numba.njit(inline="always")
+def _value(lo, hi, k):  # pragma: no cover - compiled
+    """Value ``k`` of a group from its transposed low and high bytes, zigzag undone."""
+    u = np.int64((lo >> np.uint64(8 * k)) & np.uint64(0xFF)) | (
+        np.int64((hi >> np.uint64(8 * k)) & np.uint64(0xFF)) << 8)
+    return (u >> 1) ^ -(u & 1)
+
+
 @numba.njit(nogil=True, cache=True)
 def _unpack(planes, seg_starts, masks, q):  # pragma: no cover - compiled
-    n_bytes = q.itemsize
-    set_planes = np.empty((n_bytes, 8), dtype=np.int64)
-    n_set = np.empty(n_bytes, dtype=np.int64)
-    zz = np.zeros(8, dtype=np.uint64)
+    set_planes = np.empty((2, 8), dtype=np.int64)
+    n_set = np.zeros(2, dtype=np.int64)
     pos = 0
     for s in range(seg_starts.size - 1):
         start, stop = seg_starts[s], seg_starts[s + 1]
@@ -122,28 +140,25 @@ def _unpack(planes, seg_starts, masks, q):  # pragma: no cover - compiled
             for i in range(start, stop):
                 q[i] = 0
             continue
-        for byte in range(n_bytes):
+        for byte in range(q.itemsize):
             n_set[byte] = _set_planes((masks[s] >> np.uint64(8 * byte)) & np.uint64(0xFF), set_planes[byte])
+        lo_block = pos + n_set[1] * groups  # the high byte's planes come first
+        n_lo, n_hi, lo_planes, hi_planes = n_set[0], n_set[1], set_planes[0], set_planes[1]
         for g in range(groups):
-            for k in range(8):
-                zz[k] = 0
-            block = pos
-            for byte in range(n_bytes - 1, -1, -1):
-                if n_set[byte] == 0:
-                    continue
-                word = np.uint64(0)
-                for j in range(n_set[byte]):
-                    word |= np.uint64(planes[block + j * groups + g]) << np.uint64(8 * set_planes[byte, j])
-                block += n_set[byte] * groups
-                word = _transpose8(word)
-                for k in range(8):
-                    zz[k] |= ((word >> np.uint64(8 * k)) & np.uint64(0xFF)) << np.uint64(8 * byte)
+            lo = _word(planes, lo_block, groups, g, n_lo, lo_planes)
+            hi = _word(planes, pos, groups, g, n_hi, hi_planes)
             base = start + g * 8
-            for k in range(min(8, stop - base)):
-                u = np.int64(zz[k])
-                q[base + k] = (u >> 1) ^ -(u & 1)
-        for byte in range(n_bytes):
-            pos += n_set[byte] * groups
+            # as in _unpack_scatter: constant counts for full groups, a loop without the high byte
+            if stop - base >= 8 and hi == 0:
+                for k in range(8):
+                    q[base + k] = _value(lo, np.uint64(0), k)
+            elif stop - base >= 8:
+                for k in range(8):
+                    q[base + k] = _value(lo, hi, k)
+            else:
+                for k in range(stop - base):
+                    q[base + k] = _value(lo, hi, k)
+        pos += (n_set[0] + n_set[1]) * groups
 
 
 def to_planes(q: np.ndarray, seg_starts: np.ndarray) -> bytes:
@@ -157,21 +172,13 @@ def to_planes(q: np.ndarray, seg_starts: np.ndarray) -> bytes:
     return out[: head + n].tobytes()
 
 
-@numba.njit(inline="always")
-def _value(lo, hi, k):  # pragma: no cover - compiled
-    """Value ``k`` of a group from its transposed low and high bytes, zigzag undone."""
-    u = np.int64((lo >> np.uint64(8 * k)) & np.uint64(0xFF)) | (
-        np.int64((hi >> np.uint64(8 * k)) & np.uint64(0xFF)) << 8)
-    return (u >> 1) ^ -(u & 1)
-
-
 @numba.njit(nogil=True, cache=True)
 def _unpack_scatter(planes, offsets, run_starts, masks, n_bytes, first, seg_starts, seg_bands, steps, index,
                     out):  # pragma: no cover - compiled
     """``out[index[i]] = value * step`` for a piece of every run: the int values are never stored. Run ``s``
     holds the values from storage position ``first[s]`` of the chunk's run ``s``, which starts at
     ``run_starts[s]`` (8 values to a group) and whose planes start at ``offsets[s]``."""
-    set_planes = np.empty((n_bytes, 8), dtype=np.int64)
+    set_planes = np.empty((2, 8), dtype=np.int64)
     n_set = np.zeros(2, dtype=np.int64)
     for s in range(seg_bands.size):
         start, stop = seg_starts[s], seg_starts[s + 1]
@@ -186,16 +193,10 @@ def _unpack_scatter(planes, offsets, run_starts, masks, n_bytes, first, seg_star
         g0 = (first[s] - run_starts[s]) // 8
         hi_block = offsets[s]  # the high byte's planes come first
         lo_block = offsets[s] + n_set[1] * groups
+        n_lo, n_hi, lo_planes, hi_planes = n_set[0], n_set[1], set_planes[0], set_planes[1]
         for g in range((stop - start + 7) // 8):
-            lo = np.uint64(0)
-            for j in range(n_set[0]):
-                lo |= np.uint64(planes[lo_block + j * groups + g0 + g]) << np.uint64(8 * set_planes[0, j])
-            lo = _transpose8(lo)
-            hi = np.uint64(0)
-            if n_set[1]:
-                for j in range(n_set[1]):
-                    hi |= np.uint64(planes[hi_block + j * groups + g0 + g]) << np.uint64(8 * set_planes[1, j])
-                hi = _transpose8(hi)
+            lo = _word(planes, lo_block, groups, g0 + g, n_lo, lo_planes)
+            hi = _word(planes, hi_block, groups, g0 + g, n_hi, hi_planes)
             base = start + g * 8
             # A full group's loop has a constant count and unrolls; most groups have no high byte: ~20% faster
             if stop - base >= 8 and hi == 0:
