@@ -7,6 +7,7 @@ operation (zarr metadata, chunk files, sizes, the final move, --overwrite, clean
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,8 @@ def store_files(location: Location) -> dict[str, bytes]:
     return {p[len(root.rstrip("/")) + 1:]: fs.cat_file(p) for p in fs.find(root) if "/c/" in p}
 
 
-@pytest.mark.parametrize("scheduler", [None, "threads"])
+@pytest.mark.parametrize("scheduler", [None, pytest.param("threads", marks=pytest.mark.skipif(
+    importlib.util.find_spec("dask") is None, reason="Dask's threads scheduler needs the dask extra"))])
 def test_memory_url_store_equals_local_store(tmp_path, source_h5, memory_root, scheduler):
     fs, root = memory_root
     url = f"memory://{root}/out.zarr"
