@@ -28,7 +28,7 @@ def timed_compress(src: Path, out: Path, options: CompressOptions) -> float:
 
 
 def same_chunks(a: Path, b: Path) -> bool:
-    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file() and "/c/" in str(p))
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file() and p.name.startswith("c."))
     return all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 

@@ -52,9 +52,8 @@ class _LossyArray:
         self.chunk_len = self.chunk_shape[0]
         md = array.metadata
         codecs = tuple(type(c) for c in getattr(md, "codecs", ()))
-        encoding = getattr(md, "chunk_key_encoding", None)
-        self.direct = (codecs == (DctChopCodec, ZstdCodec, Crc32cCodec) and getattr(encoding, "separator", None) == "/"
-                       and self.chunk_shape[1:] == self.shape[1:] and root.exists(name))
+        self.direct = (codecs == (DctChopCodec, ZstdCodec, Crc32cCodec) and self.chunk_shape[1:] == self.shape[1:]
+                       and root.exists(name))
         self._root = root
         self._md = md
 

@@ -134,7 +134,9 @@ class Location:
             fs.pipe(paths)
         else:
             for path, data in paths.items():
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                parent = os.path.dirname(path)
+                if not os.path.isdir(parent):  # a stat, where a mkdir that fails costs as much as one that works
+                    os.makedirs(parent, exist_ok=True)
                 Path(path).write_bytes(data)
 
     def remove(self) -> None:

@@ -20,6 +20,7 @@ crc32c, which are lossless and checked on read), so it describes what is on disk
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -55,7 +56,8 @@ from dctchop.layout import colour_axis, infer_axes
 from dctchop.location import Location
 from dctchop.transform import make_plan, per_axis, resolve_threads
 
-STORE_FORMAT = 1
+STORE_FORMAT = 2  # 2: chunk files of the lossy and metadata arrays named c.I.0.0 ("." separator); 1: c/I/0/0
+CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
 META_GROUP = "dctchop_meta"
 SINGLE_ARRAY_NAME = "data"
 ZSTD_LEVEL = 1  # on bit-plane payloads as small as level 3 (images: 3% smaller), 2-2.5x faster
@@ -344,8 +346,10 @@ def is_dctchop_store(location: Location) -> bool:
 
 
 def _chunk_key(name: str, index: int, ndim: int) -> str:
-    """Where Zarr's default chunk key encoding puts chunk ``index`` of an array chunked along axis 0."""
-    return f"{name}/c/" + "/".join([str(index)] + ["0"] * (ndim - 1))
+    """Where :data:`CHUNK_KEY_ENCODING` puts chunk ``index`` of an array chunked along axis 0: every chunk file
+    directly in the array's directory, so writing one creates no directory (with ``/`` each chunk would
+    make two or three: 18 mkdir calls per chunk with its metadata, 13% of the whole run on ext4)."""
+    return f"{name}/c." + ".".join([str(index)] + ["0"] * (ndim - 1))
 
 
 def _stored_bytes(data: bytes) -> bytes:
@@ -378,26 +382,34 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
     """
     problems = []
     group = root.open_group("r")
-    for key, path in [(None, name), *((k, f"{META_GROUP}/{name}/{k}") for k in META_FIELDS)]:
+    keys = {}  # array path -> data chunk index -> the file holding its data or metadata element
+    for field_name, path in [(None, name), *((k, f"{META_GROUP}/{name}/{k}") for k in META_FIELDS)]:
+        keys[path] = functools.partial(_chunk_key, path, ndim=len(shape))
         try:
-            group[path]
+            keys[path] = functools.partial(_file_of, path, group[path])
         except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
-            what = "array metadata" if key is None else f"metadata array {key}"
+            what = "array metadata" if field_name is None else f"metadata array {field_name}"
             problems.append({"chunk": None, "problem": f"{what} cannot be opened ({type(e).__name__}: {e})"})
     n_chunks = -(-shape[0] // chunks[0])
     for i in range(n_chunks):
         try:
-            read_header(unframe(root.read(_chunk_key(name, i, len(shape)))))
+            read_header(unframe(root.read(keys[name](i))))
         except FileNotFoundError:
             problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
         except OSError as e:
             problems.append({"chunk": i, "problem": f"unreadable ({e.strerror or e})"})
         except CorruptChunkError as e:
             problems.append({"chunk": i, "problem": str(e)})
-        missing = [k for k in META_FIELDS if not root.is_file(_chunk_key(f"{META_GROUP}/{name}/{k}", i, len(shape)))]
+        missing = [k for k in META_FIELDS if not root.is_file(keys[f"{META_GROUP}/{name}/{k}"](i))]
         if missing:
             problems.append({"chunk": i, "problem": f"per-chunk metadata missing: {', '.join(missing)}"})
     return problems
+
+
+def _file_of(path: str, array: zarr.Array, index: int) -> str:
+    """The file of ``array`` (at ``path``) that holds data chunk ``index``'s chunk or metadata element, by the
+    array's own chunk key encoding and chunking (stores of format 1 wrote metadata arrays in other shapes)."""
+    return f"{path}/" + array.metadata.encode_chunk_key((index // array.chunks[0],) + (0,) * (array.ndim - 1))
 
 
 def _chunk_metrics(x: np.ndarray, y: np.ndarray, peak: float) -> tuple[float, float, float]:
@@ -426,6 +438,7 @@ def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = F
     element per data chunk stored as plain little-endian bytes, so each task writes its own elements."""
     src = plan.source
     group.create_array(plan.name, shape=src.shape, chunks=plan.chunks, dtype=src.dtype, serializer=plan.codec,
+                       chunk_key_encoding=CHUNK_KEY_ENCODING,
                        compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0,
                        attributes=src.attrs, overwrite=overwrite)
     if overwrite:
@@ -434,6 +447,7 @@ def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = F
     meta_group = group.require_group(META_GROUP).require_group(plan.name)
     for key, dtype in META_FIELDS.items():
         meta_group.create_array(key, shape=grid, chunks=(1,) * len(grid), dtype=dtype, compressors=None,
+                                chunk_key_encoding=CHUNK_KEY_ENCODING,
                                 serializer=BytesCodec(endian="little"), fill_value=0)
 
 

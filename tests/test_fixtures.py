@@ -33,13 +33,15 @@ def test_committed_chunk_decodes_as_before(name):
                                    atol=1e-6 * float(np.abs(expected).max()))
 
 
-def test_committed_store_reads_as_before():
+@pytest.mark.parametrize("name", ["store_v1", "store_v2"])
+def test_committed_store_reads_as_before(name):
     import zarr
 
+    import dctchop
     from dctchop.inspect import inspect_store
 
-    store = CHUNKS.parent / "store_v1"
-    expected = np.load(CHUNKS.parent / "store_v1.npy", allow_pickle=False)
+    store = CHUNKS.parent / name
+    expected = np.load(CHUNKS.parent / f"{name}.npy", allow_pickle=False)
     decoded = zarr.open(str(store), mode="r")["images"][:]
     diff = np.abs(decoded.astype(np.int64) - expected.astype(np.int64))
     assert diff.max() <= 1 and np.count_nonzero(diff) <= max(1, expected.size // 1000)
@@ -49,3 +51,6 @@ def test_committed_store_reads_as_before():
     assert images["codec"]["format_version"] == 1 and images["target"] == {"kind": "psnr", "value": 35.0}
     assert min(images["chunk_table"]["psnr"]) >= 35.0 - 0.05
     assert zarr.open_group(str(store), mode="r").attrs["note"] == "dctchop store fixture"
+    assert zarr.open_group(str(store), mode="r").attrs["dctchop"]["store_format"] == int(name.rsplit("v", 1)[1])
+    assert images["damaged_chunks"] == []
+    np.testing.assert_array_equal(dctchop.open(store)[:], decoded)  # the loader's own chunk-file reads

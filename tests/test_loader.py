@@ -253,7 +253,7 @@ def test_a_damaged_chunk_is_reported_by_name(image_store, tmp_path):
 
     store = tmp_path / "damaged.zarr"
     shutil.copytree(image_store, store)
-    chunk = store / "images/c/3/0/0/0"
+    chunk = store / "images/c.3.0.0.0"
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0xFF
     chunk.write_bytes(bytes(data))

@@ -52,7 +52,7 @@ def memory_root():
 def store_files(location: Location) -> dict[str, bytes]:
     """Every chunk file of a store (data and metadata) by key, through the Location itself."""
     fs, root = fsspec.core.url_to_fs(location.target) if location.is_url else (fsspec.filesystem("file"), location.target)
-    return {p[len(root.rstrip("/")) + 1:]: fs.cat_file(p) for p in fs.find(root) if "/c/" in p}
+    return {p[len(root.rstrip("/")) + 1:]: fs.cat_file(p) for p in fs.find(root) if p.rsplit("/", 1)[-1].startswith("c.")}
 
 
 @pytest.mark.parametrize("scheduler", [None, pytest.param("threads", marks=pytest.mark.skipif(

@@ -38,10 +38,11 @@ def test_chunk_files_are_what_zarr_writes(tmp_path, h5_images, target):
     x = h5py.File(h5_images)["images"][:]
     ref = zarr.open_group(str(tmp_path / "ref.zarr"), mode="w").create_array(
         "images", shape=x.shape, chunks=ours.chunks, dtype=x.dtype, serializer=ours.metadata.codecs[0],
-        compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0)
+        compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0,
+        chunk_key_encoding=ours.metadata.chunk_key_encoding)
     ref[:] = x
     for i in range(4):
-        key = f"images/c/{i}/0/0/0"
+        key = f"images/c.{i}.0.0.0"
         assert (out / key).read_bytes() == (tmp_path / "ref.zarr" / key).read_bytes(), key
     np.testing.assert_array_equal(ours[:], ref[:])
 
