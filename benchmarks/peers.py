@@ -694,7 +694,7 @@ def plot(ds: Dataset, results: list[Result], path: Path) -> None:
     for r in results:
         if r.method == "zstd":
             ax.axvline(r.ratio, color="0.5", ls=":", lw=1)
-            ax.text(r.ratio, 0.02, f" zstd-3 lossless {r.ratio:.2f}", rotation=90, color="0.4",
+            ax.text(r.ratio, 0.02, f" zstd-{ZSTD_LEVEL} lossless {r.ratio:.2f}", rotation=90, color="0.4",
                     transform=ax.get_xaxis_transform(), va="bottom", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -728,8 +728,8 @@ def write_markdown(path: Path, command: str, sections: list[str], seconds: float
          f"Python {platform.python_version()}; {versions}; total {seconds:.0f} s."),
         f"Measured: {codec_state()}.",
         "",
-        ("- ratio = original bytes / compressed bytes (dctchop: zstd-3 frames + 4 bytes crc32c per chunk, as "
-         "stored; no Zarr metadata for anyone)."),
+        (f"- ratio = original bytes / compressed bytes (dctchop: zstd-{ZSTD_LEVEL} frames + 4 bytes crc32c per "
+         "chunk, as stored; no Zarr metadata for anyone)."),
         ("- PSNR = 20 log10(peak) - 10 log10(MSE) over the whole dataset; peak 255 for uint8, max - min "
          "for float."),
         ("- MB/s: MB (1e6 B) of original data per second, one thread, dtype conversions included; median of "
