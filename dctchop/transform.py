@@ -665,10 +665,45 @@ def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int =
     return out
 
 
+GATHER_WINDOW = 1 << 17  # coefficient-image positions per window: 512 KB of float32, sized for L2
+
+
 def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:
-    """Stored coefficients in band-major order (mask applied), as a 1-D array."""
-    index = plan.order[0]
-    return coefficients.reshape(-1)[index]
+    """Stored coefficients in band-major order (mask applied), as a 1-D array.
+
+    Read window by window of the coefficient image: every band run takes its values from one window while
+    that window is in cache, where reading in storage order strides through the whole image once per band
+    (4x faster on a 47 MB image chunk, level on a 4 MB one)."""
+    index, seg_starts, _ = plan.order
+    out = np.empty(index.size, dtype=coefficients.dtype)
+    bounds = _window_bounds(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, GATHER_WINDOW)
+    _gather_windows(np.ascontiguousarray(coefficients).reshape(-1), index, seg_starts, bounds, out)
+    return out
+
+
+@lru_cache(maxsize=16)
+def _window_bounds(shape, axes, block, keep, mask, window: int) -> np.ndarray:
+    """``bounds[w, s]``: the end of run ``s``'s storage positions that lie in windows ``0..w`` of the
+    coefficient image. Within a run the positions increase (its blocks follow the array's C order)."""
+    plan = _plan(shape, axes, block, keep, mask)
+    index, seg_starts, _ = plan.order
+    steps = np.diff(index)
+    steps[seg_starts[1:-1] - 1] = 1  # where one run ends and the next begins
+    assert np.all(steps > 0), "storage positions must increase within a run"
+    size = math.prod(plan.coefficient_shape)
+    edges = np.arange(window, size + window, window)
+    bounds = np.empty((edges.size, seg_starts.size - 1), dtype=np.int64)
+    for s in range(seg_starts.size - 1):
+        bounds[:, s] = seg_starts[s] + np.searchsorted(index[seg_starts[s] : seg_starts[s + 1]], edges)
+    return bounds
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_windows(flat, index, seg_starts, bounds, out):  # pragma: no cover - compiled
+    for w in range(bounds.shape[0]):
+        for s in range(seg_starts.size - 1):
+            for i in range(seg_starts[s] if w == 0 else bounds[w - 1, s], bounds[w, s]):
+                out[i] = flat[index[i]]
 
 
 def scatter(values: np.ndarray, plan: TransformPlan, dtype) -> np.ndarray:

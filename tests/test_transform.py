@@ -6,6 +6,7 @@ import itertools
 import math
 import zlib
 from fractions import Fraction
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import scipy.fft
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dctchop import transform
 from dctchop.errors import DctchopError
 from dctchop.transform import (
     compress_array,
@@ -406,6 +408,20 @@ def test_forward_reference_property(params):
     coef = forward(x, plan)
     np.testing.assert_allclose(coef.astype(np.float64), ref, rtol=0, atol=_tolerance(x, block, dtype))
     assert np.array_equal(np.sort(plan.order[0]), np.flatnonzero(kept))
+
+
+@HYP
+@given(transform_settings(), st.integers(1, 50))
+def test_windowed_gather_equals_fancy_indexing(params, window):
+    """gather reads the coefficient image in windows (cache blocking); with windows of a few positions every
+    run crosses many window edges, including runs that skip whole windows."""
+    shape, axes, block, keep, mask, dtype, seed = params
+    x = _hyp_data(shape, dtype, seed)
+    plan = make_plan(shape, axes, block, keep, mask)
+    coef = forward(x, plan)
+    with patch.object(transform, "GATHER_WINDOW", window):
+        values = gather(coef, plan)
+    np.testing.assert_array_equal(values, coef.reshape(-1)[plan.order[0]])
 
 
 # ---------------------------------------------------------------------------------------------- threads
