@@ -98,7 +98,8 @@ cli.add_command(sweep)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def compress(input_path, output, datasets, lossless, follow_external, axes, keep, ratio, psnr, block, mask,
              precision, chunk_samples, workers, scheduler, overwrite, progress, quiet, as_json):
-    """Compress INPUT (.npy or .h5/.hdf5) into the Zarr store OUTPUT.
+    """Compress INPUT (.npy or .h5/.hdf5) into the Zarr store OUTPUT (a directory, or an fsspec URL such as
+    s3://bucket/out.zarr with that protocol's fsspec package installed).
 
     Quality target, at most one of --keep, --ratio, --psnr; with none, --psnr 40 for integer data and
     --psnr 60 for floating-point data.
