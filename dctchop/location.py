@@ -39,12 +39,6 @@ class Location:
     def __str__(self) -> str:
         return self.target
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Location) and other.target == self.target
-
-    def __hash__(self) -> int:
-        return hash(self.target)
-
     @cached_property
     def _fs(self):
         """(filesystem, root path) for a URL."""
