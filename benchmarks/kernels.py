@@ -50,7 +50,7 @@ BLOCK = 8
 IMAGE = (32, 32)
 AXES = (1, 2)
 DTYPES = ("float32", "uint8")
-KERNELS = ("_forward_3d", "_forward_tiled", "_inverse_3d", "_inverse_tiled")
+KERNELS = ("_forward_3d", "_forward_tiled", "_forward_rows8", "_inverse_3d", "_inverse_tiled", "_inverse_rows8")
 FIRST_CALL_IMAGES = 8  # a tiny stack: the first call's time is then all compiling or cache loading
 # both work in float32 and differ by its rounding (~3e-7 relative); a wrong transform is off by far more
 COEFFICIENT_RTOL = 1e-5

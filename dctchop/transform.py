@@ -322,6 +322,104 @@ def _inverse_tiled_rows3(src, dst, colour, mat, block_rows, lo, hi, is_int):  # 
                     dst[o0 + t, j, i] = _store(tout[j, 3 * t + i], lo, hi, is_int)
 
 
+# A contiguous axis (inner extent 1) in blocks of 8 that keep all 8 bands: the usual last axis. Each block's 8
+# values are read, transformed with the 8x8 matrix held in 64 local scalars (hoisted out of every loop, where
+# loads from ``mat`` could alias the output), and written back; the compiler vectorises across blocks with
+# interleaved loads and stores. About 3.5x faster than the tiled kernels, whose two transposes through a tile
+# cost most of their time. Sums run in the same order onto the same zero: results are bit-identical. The eight
+# statements per block are written out in both kernels: one helper shared by the two measured 2x slower.
+@numba.njit(inline="always")
+def _square8(mat):  # pragma: no cover - compiled
+    """The 8x8 block ``mat[:8, :8]`` as 64 scalars, row-major."""
+    return (mat[0, 0], mat[0, 1], mat[0, 2], mat[0, 3], mat[0, 4], mat[0, 5], mat[0, 6], mat[0, 7],
+            mat[1, 0], mat[1, 1], mat[1, 2], mat[1, 3], mat[1, 4], mat[1, 5], mat[1, 6], mat[1, 7],
+            mat[2, 0], mat[2, 1], mat[2, 2], mat[2, 3], mat[2, 4], mat[2, 5], mat[2, 6], mat[2, 7],
+            mat[3, 0], mat[3, 1], mat[3, 2], mat[3, 3], mat[3, 4], mat[3, 5], mat[3, 6], mat[3, 7],
+            mat[4, 0], mat[4, 1], mat[4, 2], mat[4, 3], mat[4, 4], mat[4, 5], mat[4, 6], mat[4, 7],
+            mat[5, 0], mat[5, 1], mat[5, 2], mat[5, 3], mat[5, 4], mat[5, 5], mat[5, 6], mat[5, 7],
+            mat[6, 0], mat[6, 1], mat[6, 2], mat[6, 3], mat[6, 4], mat[6, 5], mat[6, 6], mat[6, 7],
+            mat[7, 0], mat[7, 1], mat[7, 2], mat[7, 3], mat[7, 4], mat[7, 5], mat[7, 6], mat[7, 7])
+
+
+@numba.njit(inline="always")
+def _sum8(m, first, stride, x, zero):  # pragma: no cover - compiled
+    """``zero + m[first] * x[0] + m[first + stride] * x[1] + ... + m[first + 7 * stride] * x[7]``, left to right."""
+    acc = zero + m[first] * x[0]
+    acc += m[first + stride] * x[1]
+    acc += m[first + 2 * stride] * x[2]
+    acc += m[first + 3 * stride] * x[3]
+    acc += m[first + 4 * stride] * x[4]
+    acc += m[first + 5 * stride] * x[5]
+    acc += m[first + 6 * stride] * x[6]
+    acc += m[first + 7 * stride] * x[7]
+    return acc
+
+
+@numba.njit(inline="always")
+def _block8(x, b):  # pragma: no cover - compiled
+    """The 8 values of block ``b`` of the row ``x``."""
+    return (x[8 * b], x[8 * b + 1], x[8 * b + 2], x[8 * b + 3], x[8 * b + 4], x[8 * b + 5], x[8 * b + 6],
+            x[8 * b + 7])
+
+
+@numba.njit(nogil=True, cache=True)
+def _forward_rows8(src, dst, mat, start, width):  # pragma: no cover - compiled
+    """Forward pass over a contiguous axis, blocks of 8 keeping 8 bands: src (outer, length), dst (outer, kept)."""
+    n_outer, length = src.shape
+    n_full = length // 8
+    m = _square8(mat)
+    zero = np.zeros(1, dtype=mat.dtype)[0]
+    for o in range(n_outer):
+        x, y = src[o], dst[o]
+        for b in range(n_full):
+            v = _block8(x, b)
+            y[8 * b] = _sum8(m, 0, 1, v, zero)
+            y[8 * b + 1] = _sum8(m, 8, 1, v, zero)
+            y[8 * b + 2] = _sum8(m, 16, 1, v, zero)
+            y[8 * b + 3] = _sum8(m, 24, 1, v, zero)
+            y[8 * b + 4] = _sum8(m, 32, 1, v, zero)
+            y[8 * b + 5] = _sum8(m, 40, 1, v, zero)
+            y[8 * b + 6] = _sum8(m, 48, 1, v, zero)
+            y[8 * b + 7] = _sum8(m, 56, 1, v, zero)
+        for r in range(8 * n_full, dst.shape[1]):  # the edge block
+            acc = zero
+            for j in range(width[r]):
+                acc += mat[r, j] * x[start[r] + j]
+            y[r] = acc
+
+
+@numba.njit(nogil=True, cache=True)
+def _inverse_rows8(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+    """Inverse of :func:`_forward_rows8`: src (outer, kept), dst (outer, length)."""
+    n_outer, length = dst.shape
+    n_full = length // 8
+    m = _square8(mat)
+    zero = np.zeros(1, dtype=mat.dtype)[0]
+    for o in range(n_outer):
+        x, y = src[o], dst[o]
+        for b in range(n_full):
+            v = _block8(x, b)
+            y[8 * b] = _store(_sum8(m, 0, 8, v, zero), lo, hi, is_int)
+            y[8 * b + 1] = _store(_sum8(m, 1, 8, v, zero), lo, hi, is_int)
+            y[8 * b + 2] = _store(_sum8(m, 2, 8, v, zero), lo, hi, is_int)
+            y[8 * b + 3] = _store(_sum8(m, 3, 8, v, zero), lo, hi, is_int)
+            y[8 * b + 4] = _store(_sum8(m, 4, 8, v, zero), lo, hi, is_int)
+            y[8 * b + 5] = _store(_sum8(m, 5, 8, v, zero), lo, hi, is_int)
+            y[8 * b + 6] = _store(_sum8(m, 6, 8, v, zero), lo, hi, is_int)
+            y[8 * b + 7] = _store(_sum8(m, 7, 8, v, zero), lo, hi, is_int)
+        for b in range(n_full, block_rows.shape[0]):  # the edge block
+            r0, nr, s0, w = block_rows[b, 0], block_rows[b, 1], block_rows[b, 2], block_rows[b, 3]
+            for j in range(w):
+                acc = zero
+                for r in range(r0, r0 + nr):
+                    acc += mat[r, j] * x[r]
+                y[s0 + j] = _store(acc, lo, hi, is_int)
+
+
+def _is_rows8(p: AxisPlan, n_inner: int) -> bool:
+    return n_inner == 1 and p.block == 8 and p.keep == 8 and p.length >= 8
+
+
 # A last axis of exactly 3 kept whole (the RGB colour axis): a 3x3 product per row, unrolled. The tiled kernel
 # spends its time on bookkeeping for such short rows; this is about 7x faster.
 @numba.njit(nogil=True, cache=True)
@@ -361,7 +459,7 @@ def resolve_threads(threads: int | None) -> int:
 def _run_split(kernel, src, dst, args, threads: int) -> None:
     """Run ``kernel(src, dst, *args)`` split over the outer (or, when that is too short, inner) dimension."""
     n_outer = src.shape[0]
-    if threads <= 1 or src.size < 1 << 16:
+    if threads <= 1 or src.size < 1 << 16 or (n_outer < threads and src.ndim < 3):
         kernel(src, dst, *args)
         return
     if n_outer >= threads:
@@ -606,6 +704,9 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
             args = (mat, p.start, p.width, passes.pop(0)[1].matrix.astype(wdt))
             src, dst = cur.reshape(n_outer, length, 3), out.reshape(n_outer, p.kept, 3)
             _run_split(_forward_tiled_colour, src, dst, args, min(threads, n_outer))
+        elif _is_rows8(p, n_inner):
+            _run_split(_forward_rows8, cur.reshape(n_outer, length), out.reshape(n_outer, p.kept),
+                       (mat, p.start, p.width), threads)
         else:
             kernel = _forward_tiled if n_inner < SHORT_INNER else _forward_3d
             src, dst = cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner)
@@ -647,6 +748,8 @@ def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int =
         args = (p.matrix.astype(wdt), p.block_rows, lo, hi, is_int)
         if _is_rows3(p, n_inner):
             _run_split(_rows3, cur.reshape(n_outer, 3), dst.reshape(n_outer, 3), (args[0], *args[2:]), threads)
+        elif _is_rows8(p, n_inner):
+            _run_split(_inverse_rows8, cur.reshape(n_outer, kept), dst.reshape(n_outer, p.length), args, threads)
         elif colour is not None:
             _run_split(_inverse_tiled_rows3, cur.reshape(n_outer, kept, 3), dst.reshape(n_outer, p.length, 3),
                        (colour, *args), threads)

@@ -44,6 +44,10 @@ CASES = [
     ((3, 5), (1,), (16,), (10,)),
     ((11, 2, 9), (0, 2), (3, 2), (2, 1)),
     ((2, 12, 10, 3), (1, 2, 3), (8, 4, 3), (5, 3, 3)),  # NHWC with the colour axis (a fused pass)
+    # blocks of 8 keeping 8 on a contiguous last axis (the unrolled row kernels), with an edge block of 5
+    ((3, 37), (1,), (8,), (8,)),
+    ((2, 12, 29), (1, 2), (8, 8), (8, 8)),
+    ((9, 10, 24), (0, 1, 2), (8, 8, 8), (4, 8, 8)),
 ]
 CASE_IDS = ["x".join(map(str, c[0])) + "-ax" + "".join(map(str, c[1])) for c in CASES]
 
@@ -447,6 +451,31 @@ def test_threads_give_identical_results(shape, axes, block, keep, mask, dtype):
     v = gather(c1, plan)
     np.testing.assert_array_equal(decompress_array(v, plan, x.dtype, threads=1),
                                   decompress_array(v, plan, x.dtype, threads=2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length", [8, 29, 256])
+def test_row_kernels_equal_the_tiled_kernels(length, dtype):
+    """The unrolled kernels for a contiguous axis in blocks of 8 sum in the tiled kernels' order: bit-identical,
+    rounding and clipping of integers included (values far outside the range clip)."""
+    x = random_data(np.random.default_rng(length), (5, length), dtype)
+    p = transform.axis_plan(length, 8, 8)
+    wdt = transform.work_dtype(x.dtype)
+    mat = p.matrix.astype(wdt)
+    src = x.astype(wdt)
+    fast, tiled = np.empty((5, p.kept), wdt), np.empty((5, p.kept, 1), wdt)
+    transform._forward_rows8(src, fast, mat, p.start, p.width)
+    transform._forward_tiled(src.reshape(5, length, 1), tiled, mat, p.start, p.width)
+    np.testing.assert_array_equal(fast, tiled[..., 0])
+    coefficients = fast * 3  # pushes integer reconstructions past their range
+    limits = (0.0, 0.0, False)
+    if x.dtype.kind in "iu":
+        limits = (float(np.iinfo(x.dtype).min), float(np.iinfo(x.dtype).max), True)
+    out_dtype = x.dtype if x.dtype.kind in "iu" else wdt
+    fast_out, tiled_out = np.empty((5, length), out_dtype), np.empty((5, length, 1), out_dtype)
+    transform._inverse_rows8(coefficients, fast_out, mat, p.block_rows, *limits)
+    transform._inverse_tiled(coefficients.reshape(5, p.kept, 1), tiled_out, mat, p.block_rows, *limits)
+    np.testing.assert_array_equal(fast_out, tiled_out[..., 0])
 
 
 # ---------------------------------------------------------------------------------------------- errors
