@@ -82,6 +82,8 @@ def mutate(data: bytes, other: bytes, rng: np.random.Generator) -> tuple[str, by
 def run(cases: int, seed: int, max_seconds: float) -> dict:
     rng = np.random.default_rng(seed)
     pool = seeds(rng)
+    for data, shape, dtype in pool:  # numba compiles on first use: the time limit is for decoding, not that
+        decode_chunk(data, shape, dtype)
     outcomes: Counter = Counter()
     failures = []
     slowest = 0.0

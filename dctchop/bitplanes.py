@@ -108,71 +108,85 @@ def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
     return pos
 
 
+# Unpacking works a run (or a slab's piece of one) at a time, in loops over its groups that the compiler
+# vectorises: each set plane's bytes are ORed into one 64-bit word per group at that plane's byte, the words
+# are transposed (byte k = value k), the zigzag is undone, and the values are read off the words' bytes.
+# About 1.5x faster than decoding group by group with the values extracted one by one.
 @numba.njit(inline="always")
-def _word(planes, block, groups, g, n, planes_of):  # pragma: no cover - compiled
-    """The 8 bytes at one byte position of group ``g``: its ``n`` set planes (``planes_of``) gathered from the
-    planes starting at ``block``, transposed."""
-    if n == 0:
-        return np.uint64(0)
-    word = np.uint64(0)
+def _gather_planes(planes, block, groups, g0, n_groups, n, planes_of, words):  # pragma: no cover - compiled
+    """``words[g]``: byte ``k`` holds value ``k``'s bits in the ``n`` set planes ``planes_of`` of group ``g0 + g``,
+    the planes' bytes being those of a run of ``groups`` groups whose planes start at ``block``."""
+    for g in range(n_groups):
+        words[g] = 0
     for j in range(n):
-        word |= np.uint64(planes[block + j * groups + g]) << np.uint64(8 * planes_of[j])
-    return _transpose8(word)
+        shift = np.uint64(8 * planes_of[j])
+        row = block + j * groups + g0
+        for g in range(n_groups):
+            words[g] |= np.uint64(planes[row + g]) << shift
+    for g in range(n_groups):
+        words[g] = _transpose8(words[g])
 
 
 @numba.njit(inline="always")
-def _value(lo, hi, k):  # pragma: no cover - compiled
-    """Value ``k`` of a group from its transposed low and high bytes, zigzag undone."""
-    u = np.int64((lo >> np.uint64(8 * k)) & np.uint64(0xFF)) | (
-        np.int64((hi >> np.uint64(8 * k)) & np.uint64(0xFF)) << 8)
-    return (u >> 1) ^ -(u & 1)
+def _decode_run(planes, block, groups, g0, n_groups, mask, n_bytes, set_planes, lo_words,
+                hi_words):  # pragma: no cover - compiled
+    """Groups ``g0 ..`` of a run with ``mask`` whose planes start at ``block``, into ``lo_words`` and ``hi_words``
+    (read the values with :func:`_run_value`). Returns whether there is a high byte (without one the zigzag is
+    undone on the low words already) and the run's number of planes."""
+    n_hi = 0
+    if n_bytes == 2:
+        n_hi = _set_planes((mask >> np.uint64(8)) & np.uint64(0xFF), set_planes[1])
+    n_lo = _set_planes(mask & np.uint64(0xFF), set_planes[0])
+    _gather_planes(planes, block + n_hi * groups, groups, g0, n_groups, n_lo, set_planes[0], lo_words)
+    if n_hi:
+        _gather_planes(planes, block, groups, g0, n_groups, n_hi, set_planes[1], hi_words)
+        return True, n_lo + n_hi
+    for g in range(n_groups):
+        lo_words[g] = _unzigzag_bytes(lo_words[g])
+    return False, n_lo
 
 
 @numba.njit(inline="always")
 def _unzigzag_bytes(lo):  # pragma: no cover - compiled
-    """A group without high bytes: the zigzag of all 8 values undone at once; value ``k`` is then byte ``k``
-    as an int8 (:func:`_byte_value`)."""
+    """Eight zigzagged bytes undone at once; value ``k`` is then byte ``k`` read as an int8."""
     half = (lo >> np.uint64(1)) & np.uint64(0x7F7F7F7F7F7F7F7F)
     return half ^ ((lo & np.uint64(0x0101010101010101)) * np.uint64(0xFF))
 
 
 @numba.njit(inline="always")
-def _byte_value(w, k):  # pragma: no cover - compiled
-    return np.int64(np.int8(np.uint8((w >> np.uint64(8 * k)) & np.uint64(0xFF))))
+def _run_value(high, signed, lo_bytes, hi_bytes, i):  # pragma: no cover - compiled
+    """Value ``i`` of a run decoded by :func:`_decode_run` (``signed``, ``lo_bytes``, ``hi_bytes``: views of its
+    words as int8 / uint8)."""
+    if not high:
+        return np.int64(signed[i])
+    u = np.int64(lo_bytes[i]) | (np.int64(hi_bytes[i]) << 8)
+    return (u >> 1) ^ -(u & 1)
+
+
+@numba.njit(inline="always")
+def _run_buffers(seg_starts):  # pragma: no cover - compiled
+    """Words for the longest run, and their int8 / uint8 views."""
+    longest = 0
+    for s in range(seg_starts.size - 1):
+        longest = max(longest, seg_starts[s + 1] - seg_starts[s])
+    lo_words = np.zeros((longest + 7) // 8, dtype=np.uint64)
+    hi_words = np.zeros((longest + 7) // 8, dtype=np.uint64)
+    return lo_words, hi_words, lo_words.view(np.int8), lo_words.view(np.uint8), hi_words.view(np.uint8)
 
 
 @numba.njit(nogil=True, cache=True)
 def _unpack(planes, seg_starts, masks, q):  # pragma: no cover - compiled
     set_planes = np.empty((2, 8), dtype=np.int64)
-    n_set = np.zeros(2, dtype=np.int64)
+    lo_words, hi_words, signed, lo_bytes, hi_bytes = _run_buffers(seg_starts)
     pos = 0
     for s in range(seg_starts.size - 1):
-        start, stop = seg_starts[s], seg_starts[s + 1]
-        groups = (stop - start + 7) // 8
-        if masks[s] == 0:
-            for i in range(start, stop):
-                q[i] = 0
-            continue
-        for byte in range(q.itemsize):
-            n_set[byte] = _set_planes((masks[s] >> np.uint64(8 * byte)) & np.uint64(0xFF), set_planes[byte])
-        lo_block = pos + n_set[1] * groups  # the high byte's planes come first
-        n_lo, n_hi, lo_planes, hi_planes = n_set[0], n_set[1], set_planes[0], set_planes[1]
-        for g in range(groups):
-            lo = _word(planes, lo_block, groups, g, n_lo, lo_planes)
-            hi = _word(planes, pos, groups, g, n_hi, hi_planes)
-            base = start + g * 8
-            # as in _unpack_scatter: constant counts for full groups, a loop without the high byte
-            if stop - base >= 8 and hi == 0:
-                w = _unzigzag_bytes(lo)
-                for k in range(8):
-                    q[base + k] = _byte_value(w, k)
-            elif stop - base >= 8:
-                for k in range(8):
-                    q[base + k] = _value(lo, hi, k)
-            else:
-                for k in range(stop - base):
-                    q[base + k] = _value(lo, hi, k)
-        pos += (n_set[0] + n_set[1]) * groups
+        start, n = seg_starts[s], seg_starts[s + 1] - seg_starts[s]
+        groups = (n + 7) // 8
+        high, n_planes = _decode_run(planes, pos, groups, 0, groups, masks[s], q.itemsize, set_planes, lo_words,
+                                     hi_words)
+        for i in range(n):
+            q[start + i] = _run_value(high, signed, lo_bytes, hi_bytes, i)
+        pos += groups * n_planes
 
 
 def to_planes(q: np.ndarray, seg_starts: np.ndarray) -> bytes:
@@ -193,36 +207,16 @@ def _unpack_scatter(planes, offsets, run_starts, masks, n_bytes, first, seg_star
     holds the values from storage position ``first[s]`` of the chunk's run ``s``, which starts at
     ``run_starts[s]`` (8 values to a group) and whose planes start at ``offsets[s]``."""
     set_planes = np.empty((2, 8), dtype=np.int64)
-    n_set = np.zeros(2, dtype=np.int64)
+    lo_words, hi_words, signed, lo_bytes, hi_bytes = _run_buffers(seg_starts)
     for s in range(seg_bands.size):
-        start, stop = seg_starts[s], seg_starts[s + 1]
+        start, n = seg_starts[s], seg_starts[s + 1] - seg_starts[s]
         step = steps[seg_bands[s]]
-        if masks[s] == 0:
-            for i in range(start, stop):
-                out[index[i]] = 0.0
-            continue
-        for byte in range(n_bytes):
-            n_set[byte] = _set_planes((masks[s] >> np.uint64(8 * byte)) & np.uint64(0xFF), set_planes[byte])
         groups = (run_starts[s + 1] - run_starts[s] + 7) // 8
         g0 = (first[s] - run_starts[s]) // 8
-        hi_block = offsets[s]  # the high byte's planes come first
-        lo_block = offsets[s] + n_set[1] * groups
-        n_lo, n_hi, lo_planes, hi_planes = n_set[0], n_set[1], set_planes[0], set_planes[1]
-        for g in range((stop - start + 7) // 8):
-            lo = _word(planes, lo_block, groups, g0 + g, n_lo, lo_planes)
-            hi = _word(planes, hi_block, groups, g0 + g, n_hi, hi_planes)
-            base = start + g * 8
-            # A full group's loop has a constant count and unrolls; most groups have no high byte: ~30% faster
-            if stop - base >= 8 and hi == 0:
-                w = _unzigzag_bytes(lo)
-                for k in range(8):
-                    out[index[base + k]] = _byte_value(w, k) * step
-            elif stop - base >= 8:
-                for k in range(8):
-                    out[index[base + k]] = _value(lo, hi, k) * step
-            else:
-                for k in range(stop - base):
-                    out[index[base + k]] = _value(lo, hi, k) * step
+        high, _ = _decode_run(planes, offsets[s], groups, g0, (n + 7) // 8, masks[s], n_bytes, set_planes, lo_words,
+                              hi_words)
+        for i in range(n):
+            out[index[start + i]] = _run_value(high, signed, lo_bytes, hi_bytes, i) * step
 
 
 @dataclass(frozen=True)
