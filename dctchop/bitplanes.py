@@ -47,11 +47,14 @@ def _set_planes(byte_mask, planes_out):  # pragma: no cover - compiled
 
 
 @numba.njit(inline="always")
-def _emit(word, planes, n_set, first, groups, g, out):  # pragma: no cover - compiled
-    """Write the set planes of one group's 8 bytes (one byte of each value) to their places in ``out``."""
-    word = _transpose8(word)
-    for j in range(n_set):
-        out[first + j * groups + g] = np.uint8((word >> np.uint64(8 * planes[j])) & np.uint64(0xFF))
+def _scatter_planes(words, groups, n, planes_of, block, out):  # pragma: no cover - compiled
+    """Inverse of :func:`_gather_planes`: the ``n`` set planes ``planes_of`` of a run's transposed words, each
+    as ``groups`` bytes, from ``block`` on in ``out``."""
+    for j in range(n):
+        shift = np.uint64(8 * planes_of[j])
+        row = block + j * groups
+        for g in range(groups):
+            out[row + g] = np.uint8((words[g] >> shift) & np.uint64(0xFF))
 
 
 @numba.njit(inline="always")
@@ -66,13 +69,16 @@ def _even_bytes(w):  # pragma: no cover - compiled
 def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
     """Masks and planes run by run; returns the bytes written. A run is zigzagged once into a buffer (taking
     its mask on the way), which read as 64-bit words gives each group of 8 values' low and high bytes with a
-    few shifts (numba's targets are all little-endian)."""
+    few shifts (numba's targets are all little-endian); the words are transposed and the set planes written
+    out, each step a loop over the run's groups that the compiler vectorises."""
     bits = 8 * q.itemsize
     longest = 0
     for s in range(seg_starts.size - 1):
         longest = max(longest, seg_starts[s + 1] - seg_starts[s])
     zigzag = np.zeros((longest + 7) // 8 * 8, dtype=q.dtype)
     words = zigzag.view(np.uint64)
+    lo_words = np.empty((longest + 7) // 8, dtype=np.uint64)
+    hi_words = np.empty((longest + 7) // 8, dtype=np.uint64)
     lo_planes = np.empty(8, dtype=np.int64)
     hi_planes = np.empty(8, dtype=np.int64)
     pos = 0
@@ -92,19 +98,20 @@ def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
             continue
         n_hi = _set_planes((m >> np.uint64(8)) & np.uint64(0xFF), hi_planes)  # 0 for int8
         n_lo = _set_planes(m & np.uint64(0xFF), lo_planes)
-        first_lo = pos + n_hi * groups  # the high byte's planes come first
-        for g in range(groups):
-            if bits == 8:
-                _emit(words[g], lo_planes, n_lo, first_lo, groups, g, out)
-                continue
-            w0, w1 = words[2 * g], words[2 * g + 1]  # values 8g..8g+3 and 8g+4..8g+7
+        if bits == 8:
+            for g in range(groups):
+                lo_words[g] = _transpose8(words[g])
+        else:
+            for g in range(groups):  # values 8g..8g+3 and 8g+4..8g+7
+                w0, w1 = words[2 * g], words[2 * g + 1]
+                lo_words[g] = _transpose8(_even_bytes(w0) | (_even_bytes(w1) << np.uint64(32)))
             if n_hi:
-                hi = _even_bytes(w0 >> np.uint64(8)) | (_even_bytes(w1 >> np.uint64(8)) << np.uint64(32))
-                _emit(hi, hi_planes, n_hi, pos, groups, g, out)
-            if n_lo:
-                lo = _even_bytes(w0) | (_even_bytes(w1) << np.uint64(32))
-                _emit(lo, lo_planes, n_lo, first_lo, groups, g, out)
-        pos = first_lo + n_lo * groups
+                for g in range(groups):
+                    w0, w1 = words[2 * g] >> np.uint64(8), words[2 * g + 1] >> np.uint64(8)
+                    hi_words[g] = _transpose8(_even_bytes(w0) | (_even_bytes(w1) << np.uint64(32)))
+        _scatter_planes(hi_words, groups, n_hi, hi_planes, pos, out)  # the high byte's planes come first
+        _scatter_planes(lo_words, groups, n_lo, lo_planes, pos + n_hi * groups, out)
+        pos += (n_hi + n_lo) * groups
     return pos
 
 
