@@ -362,6 +362,36 @@ def _block8(x, b):  # pragma: no cover - compiled
             x[8 * b + 7])
 
 
+@numba.njit(inline="always")
+def _forward_blocks8(x, y, n_blocks, m, zero):  # pragma: no cover - compiled
+    for b in range(n_blocks):
+        v = _block8(x, b)
+        y[8 * b] = _sum8(m, 0, 1, v, zero)
+        y[8 * b + 1] = _sum8(m, 8, 1, v, zero)
+        y[8 * b + 2] = _sum8(m, 16, 1, v, zero)
+        y[8 * b + 3] = _sum8(m, 24, 1, v, zero)
+        y[8 * b + 4] = _sum8(m, 32, 1, v, zero)
+        y[8 * b + 5] = _sum8(m, 40, 1, v, zero)
+        y[8 * b + 6] = _sum8(m, 48, 1, v, zero)
+        y[8 * b + 7] = _sum8(m, 56, 1, v, zero)
+
+
+@numba.njit(inline="always")
+def _inverse_blocks8(x, y, n_blocks, m, zero, lo, hi, is_int):  # pragma: no cover - compiled
+    for b in range(n_blocks):
+        v = _block8(x, b)
+        y[8 * b] = _store(_sum8(m, 0, 8, v, zero), lo, hi, is_int)
+        y[8 * b + 1] = _store(_sum8(m, 1, 8, v, zero), lo, hi, is_int)
+        y[8 * b + 2] = _store(_sum8(m, 2, 8, v, zero), lo, hi, is_int)
+        y[8 * b + 3] = _store(_sum8(m, 3, 8, v, zero), lo, hi, is_int)
+        y[8 * b + 4] = _store(_sum8(m, 4, 8, v, zero), lo, hi, is_int)
+        y[8 * b + 5] = _store(_sum8(m, 5, 8, v, zero), lo, hi, is_int)
+        y[8 * b + 6] = _store(_sum8(m, 6, 8, v, zero), lo, hi, is_int)
+        y[8 * b + 7] = _store(_sum8(m, 7, 8, v, zero), lo, hi, is_int)
+
+
+# Without an edge block the rows' blocks follow one another in memory and run as one loop: rows of a few
+# blocks (32-sample volumes: 4) are too short for the vectorised loop on their own.
 @numba.njit(nogil=True, cache=True)
 def _forward_rows8(src, dst, mat, start, width):  # pragma: no cover - compiled
     """Forward pass over a contiguous axis, blocks of 8 keeping 8 bands: src (outer, length), dst (outer, kept)."""
@@ -369,18 +399,12 @@ def _forward_rows8(src, dst, mat, start, width):  # pragma: no cover - compiled
     n_full = length // 8
     m = _square8(mat)
     zero = np.zeros(1, dtype=mat.dtype)[0]
+    if 8 * n_full == length:
+        _forward_blocks8(src.reshape(-1), dst.reshape(-1), n_outer * n_full, m, zero)
+        return
     for o in range(n_outer):
         x, y = src[o], dst[o]
-        for b in range(n_full):
-            v = _block8(x, b)
-            y[8 * b] = _sum8(m, 0, 1, v, zero)
-            y[8 * b + 1] = _sum8(m, 8, 1, v, zero)
-            y[8 * b + 2] = _sum8(m, 16, 1, v, zero)
-            y[8 * b + 3] = _sum8(m, 24, 1, v, zero)
-            y[8 * b + 4] = _sum8(m, 32, 1, v, zero)
-            y[8 * b + 5] = _sum8(m, 40, 1, v, zero)
-            y[8 * b + 6] = _sum8(m, 48, 1, v, zero)
-            y[8 * b + 7] = _sum8(m, 56, 1, v, zero)
+        _forward_blocks8(x, y, n_full, m, zero)
         for r in range(8 * n_full, dst.shape[1]):  # the edge block
             acc = zero
             for j in range(width[r]):
@@ -395,18 +419,12 @@ def _inverse_rows8(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cov
     n_full = length // 8
     m = _square8(mat)
     zero = np.zeros(1, dtype=mat.dtype)[0]
+    if 8 * n_full == length:
+        _inverse_blocks8(src.reshape(-1), dst.reshape(-1), n_outer * n_full, m, zero, lo, hi, is_int)
+        return
     for o in range(n_outer):
         x, y = src[o], dst[o]
-        for b in range(n_full):
-            v = _block8(x, b)
-            y[8 * b] = _store(_sum8(m, 0, 8, v, zero), lo, hi, is_int)
-            y[8 * b + 1] = _store(_sum8(m, 1, 8, v, zero), lo, hi, is_int)
-            y[8 * b + 2] = _store(_sum8(m, 2, 8, v, zero), lo, hi, is_int)
-            y[8 * b + 3] = _store(_sum8(m, 3, 8, v, zero), lo, hi, is_int)
-            y[8 * b + 4] = _store(_sum8(m, 4, 8, v, zero), lo, hi, is_int)
-            y[8 * b + 5] = _store(_sum8(m, 5, 8, v, zero), lo, hi, is_int)
-            y[8 * b + 6] = _store(_sum8(m, 6, 8, v, zero), lo, hi, is_int)
-            y[8 * b + 7] = _store(_sum8(m, 7, 8, v, zero), lo, hi, is_int)
+        _inverse_blocks8(x, y, n_full, m, zero, lo, hi, is_int)
         for b in range(n_full, block_rows.shape[0]):  # the edge block
             r0, nr, s0, w = block_rows[b, 0], block_rows[b, 1], block_rows[b, 2], block_rows[b, 3]
             for j in range(w):
