@@ -23,6 +23,7 @@ import numba
 import numpy as np
 
 from dctchop.errors import CorruptChunkError
+from dctchop.quantize import scatter_scaled
 
 
 @numba.njit(inline="always")
@@ -215,15 +216,16 @@ def _unpack_scatter(planes, offsets, run_starts, masks, n_bytes, first, seg_star
     ``run_starts[s]`` (8 values to a group) and whose planes start at ``offsets[s]``."""
     set_planes = np.empty((2, 8), dtype=np.int64)
     lo_words, hi_words, signed, lo_bytes, hi_bytes = _run_buffers(seg_starts)
+    values = np.empty(8 * lo_words.size, dtype=np.int32)
     for s in range(seg_bands.size):
         start, n = seg_starts[s], seg_starts[s + 1] - seg_starts[s]
-        step = steps[seg_bands[s]]
         groups = (run_starts[s + 1] - run_starts[s] + 7) // 8
         g0 = (first[s] - run_starts[s]) // 8
         high, _ = _decode_run(planes, offsets[s], groups, g0, (n + 7) // 8, masks[s], n_bytes, set_planes, lo_words,
                               hi_words)
         for i in range(n):
-            out[index[start + i]] = _run_value(high, signed, lo_bytes, hi_bytes, i) * step
+            values[i] = _run_value(high, signed, lo_bytes, hi_bytes, i)
+        scatter_scaled(values, 0, n, steps[seg_bands[s]], index, start, out)
 
 
 @dataclass(frozen=True)

@@ -91,13 +91,30 @@ def _int_error(values, seg_starts, seg_bands, steps, qmax, out):  # pragma: no c
     return total
 
 
+@numba.njit(inline="always")
+def scatter_scaled(values, first, n, step, index, start, out):  # pragma: no cover - compiled
+    """``out[index[start + i]] = values[first + i] * step`` for ``i < n``. Written out eight at a time: the
+    compiler then stores them one by one, where its vectorised loop used AVX-512 scatter instructions that
+    are slower (whole decode ~6% faster on Zen 4; the same code elsewhere)."""
+    for g in range(n // 8):
+        i = 8 * g
+        out[index[start + i]] = values[first + i] * step
+        out[index[start + i + 1]] = values[first + i + 1] * step
+        out[index[start + i + 2]] = values[first + i + 2] * step
+        out[index[start + i + 3]] = values[first + i + 3] * step
+        out[index[start + i + 4]] = values[first + i + 4] * step
+        out[index[start + i + 5]] = values[first + i + 5] * step
+        out[index[start + i + 6]] = values[first + i + 6] * step
+        out[index[start + i + 7]] = values[first + i + 7] * step
+    for i in range(n // 8 * 8, n):
+        out[index[start + i]] = values[first + i] * step
+
+
 @numba.njit(nogil=True, cache=True)
 def _dequantize_scatter(stored, first, seg_starts, seg_bands, steps, index, out):  # pragma: no cover - compiled
     for s in range(seg_bands.size):
-        step = steps[seg_bands[s]]
-        shift = first[s] - seg_starts[s]
-        for i in range(seg_starts[s], seg_starts[s + 1]):
-            out[index[i]] = stored[shift + i] * step
+        n = seg_starts[s + 1] - seg_starts[s]
+        scatter_scaled(stored, first[s], n, steps[seg_bands[s]], index, seg_starts[s], out)
 
 
 @numba.njit(nogil=True, cache=True)
