@@ -327,7 +327,8 @@ def _inverse_tiled_rows3(src, dst, colour, mat, block_rows, lo, hi, is_int):  # 
 # loads from ``mat`` could alias the output), and written back; the compiler vectorises across blocks with
 # interleaved loads and stores. About 3.5x faster than the tiled kernels, whose two transposes through a tile
 # cost most of their time. Sums run in the same order onto the same zero: results are bit-identical. The eight
-# statements per block are written out in both kernels: one helper shared by the two measured 2x slower.
+# statements per block are written out twice (a forward and an inverse helper): one helper for both, taking
+# the matrix's strides as arguments, measured 2x slower.
 @numba.njit(inline="always")
 def _square8(mat):  # pragma: no cover - compiled
     """The 8x8 block ``mat[:8, :8]`` as 64 scalars, row-major."""
