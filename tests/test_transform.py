@@ -440,6 +440,8 @@ def test_windowed_gather_equals_fancy_indexing(params, window):
         ((3, 64, 40, 12), (1, 2, 3), (8, 8, 4), (6, 5, 3), "triangle", "int16"),
         ((8, 64, 48, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "uint8"),  # NHWC, colour axis fused
         ((1, 8192, 3), (1, 2), (8, 3), (8, 3), "square", "float32"),  # the same with a single outer row
+        ((6, 64, 256), (1, 2), 8, 8, "square", "uint8"),  # the contiguous-axis row kernels, split by rows
+        ((1, 65536), (1,), 8, 8, "square", "float32"),  # ... with one row: never split
     ],
 )
 def test_threads_give_identical_results(shape, axes, block, keep, mask, dtype):
