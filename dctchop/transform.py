@@ -220,15 +220,9 @@ def _rows8(mat, r0, j):  # pragma: no cover - compiled
 @numba.njit(inline="always")
 def _dot8(m, x, r0, k, zero):  # pragma: no cover - compiled
     """``zero + m[0] * x[r0, k] + ... + m[7] * x[r0 + 7, k]``, left to right."""
-    acc = zero + m[0] * x[r0, k]
-    acc += m[1] * x[r0 + 1, k]
-    acc += m[2] * x[r0 + 2, k]
-    acc += m[3] * x[r0 + 3, k]
-    acc += m[4] * x[r0 + 4, k]
-    acc += m[5] * x[r0 + 5, k]
-    acc += m[6] * x[r0 + 6, k]
-    acc += m[7] * x[r0 + 7, k]
-    return acc
+    column = (x[r0, k], x[r0 + 1, k], x[r0 + 2, k], x[r0 + 3, k], x[r0 + 4, k], x[r0 + 5, k], x[r0 + 6, k],
+              x[r0 + 7, k])
+    return _sum8(m, 0, 1, column, zero)
 
 
 @numba.njit(nogil=True, cache=True)
