@@ -65,13 +65,18 @@ def _band_maxabs(values, seg_starts, seg_bands, out):  # pragma: no cover - comp
         out[seg_bands[s]] = m
 
 
+@numba.njit(inline="always")
+def _level(value, inv, qmax):  # pragma: no cover - compiled
+    """The quantization level of ``value`` (``inv`` = 1 / step): nearest, halves up, clipped to +-qmax."""
+    return min(max(np.floor(value * inv + 0.5), -qmax), qmax)
+
+
 @numba.njit(nogil=True, cache=True)
 def _quantize_int(values, seg_starts, seg_bands, steps, qmax, out):  # pragma: no cover - compiled
     for s in range(seg_bands.size):
         inv = 1.0 / steps[seg_bands[s]]
         for i in range(seg_starts[s], seg_starts[s + 1]):
-            q = np.floor(values[i] * inv + 0.5)
-            out[i] = min(max(q, -qmax), qmax)
+            out[i] = _level(values[i], inv, qmax)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -83,7 +88,7 @@ def _int_error(values, seg_starts, seg_bands, steps, qmax, out):  # pragma: no c
         step = steps[seg_bands[s]]
         inv = 1.0 / step
         for i in range(seg_starts[s], seg_starts[s + 1]):
-            q = min(max(np.floor(values[i] * inv + 0.5), -qmax), qmax)
+            q = _level(values[i], inv, qmax)
             if keep:
                 out[i] = q
             d = values[i] - q * step
