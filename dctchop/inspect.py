@@ -11,7 +11,14 @@ import zarr
 from dctchop.errors import DctchopError
 from dctchop.formats import open_source
 from dctchop.location import Location
-from dctchop.store import META_FIELDS, META_GROUP, _chunk_metrics, _chunk_ranges, array_problems
+from dctchop.store import (
+    META_FIELDS,
+    META_GROUP,
+    _chunk_metrics,
+    _chunk_ranges,
+    array_bytes,
+    array_problems,
+)
 
 
 def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
@@ -55,7 +62,7 @@ def inspect_store(path: str | Path, chunks: bool = False) -> dict:
         # with unreadable metadata arrays the per-chunk table is unknown: fall back to the summary written
         # with the store
         table = None if any(p["chunk"] is None for p in problems) else chunk_table(group, name)
-        stored = location.size(name) + location.size(f"{META_GROUP}/{name}")
+        stored = array_bytes(location, name)
         entry = {
             "shape": a["shape"], "dtype": a["dtype"], "layout": a["layout"], "axes": a["axes"],
             "chunks": a["chunks"], "target": a["target"], "codec": a["codec"], "peak": a["peak"],

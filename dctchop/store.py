@@ -427,12 +427,17 @@ def _psnr_rmse(sse: float, n: int, peak: float) -> tuple[float, float]:
     return qz.psnr(mse, peak), math.sqrt(mse)
 
 
+def array_bytes(root: Location, name: str) -> int:
+    """Everything on disk for lossy array ``name``: its files and its per-chunk metadata arrays' files."""
+    return root.size(name) + root.size(f"{META_GROUP}/{name}")
+
+
 def _metadata_bytes(root: Location, plan: ArrayPlan) -> int:
     """Bytes an array's store takes besides its chunk files: its zarr.json, the metadata arrays' zarr.json
     files, and one element file per chunk and metadata field."""
     n_chunks = len(_chunk_ranges(plan.source.shape[0], plan.chunks[0]))
     element_bytes = sum(np.dtype(d).itemsize for d in META_FIELDS.values())
-    return root.size(plan.name) + root.size(f"{META_GROUP}/{plan.name}") + n_chunks * element_bytes
+    return array_bytes(root, plan.name) + n_chunks * element_bytes
 
 
 def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = False) -> None:
@@ -626,7 +631,7 @@ def _array_summary(plan: ArrayPlan, result: dict, root: Location) -> dict:
     meta = result["meta"]
     src = plan.source
     original = math.prod(src.shape) * src.dtype.itemsize
-    stored = root.size(plan.name) + root.size(f"{META_GROUP}/{plan.name}")
+    stored = array_bytes(root, plan.name)
     mse = result["sse"] / math.prod(src.shape)
     return {
         "shape": list(src.shape),
