@@ -31,7 +31,7 @@ from dctchop.codec import DctChopCodec, StoredChunk, decode_chunk, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
-from dctchop.store import unframe
+from dctchop.store import chunk_file, unframe
 from dctchop.transform import resolve_threads
 
 __all__ = ["ArrayView", "Dataset", "open"]
@@ -50,19 +50,14 @@ class _LossyArray:
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
         self.chunk_shape = tuple(array.chunks)
         self.chunk_len = self.chunk_shape[0]
-        md = array.metadata
-        codecs = tuple(type(c) for c in getattr(md, "codecs", ()))
+        codecs = tuple(type(c) for c in getattr(array.metadata, "codecs", ()))
         self.direct = (codecs == (DctChopCodec, ZstdCodec, Crc32cCodec) and self.chunk_shape[1:] == self.shape[1:]
                        and root.exists(name))
         self._root = root
-        self._md = md
-
-    def chunk_key(self, index: int) -> str:
-        return f"{self.name}/" + self._md.encode_chunk_key((index,) + (0,) * (len(self.shape) - 1))
 
     def raw(self, index: int) -> bytes:
         """The dctchop-coded bytes of chunk ``index`` (zstd undone, crc32c checked)."""
-        key = self.chunk_key(index)
+        key = chunk_file(self.name, self.array, 1, index)
         path = f"{self._root}/{key}"
         try:
             data = self._root.read(key)

@@ -388,7 +388,8 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
         try:
             array = group[path]
             # a metadata array's element i is data chunk i's; the data array's grid position i is chunk i
-            keys[path] = functools.partial(_file_of, path, array, 1 if field_name is None else array.chunks[0])
+            per_file = 1 if field_name is None else array.chunks[0]
+            keys[path] = functools.partial(chunk_file, path, array, per_file)
         except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
             what = "array metadata" if field_name is None else f"metadata array {field_name}"
             problems.append({"chunk": None, "problem": f"{what} cannot be opened ({type(e).__name__}: {e})"})
@@ -408,7 +409,7 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
     return problems
 
 
-def _file_of(path: str, array: zarr.Array, per_file: int, index: int) -> str:
+def chunk_file(path: str, array: zarr.Array, per_file: int, index: int) -> str:
     """The file of ``array`` (at ``path``) holding item ``index`` along axis 0, ``per_file`` items to a file,
     by the array's own chunk key encoding (stores of format 1 wrote metadata arrays in other chunkings)."""
     return f"{path}/" + array.metadata.encode_chunk_key((index // per_file,) + (0,) * (array.ndim - 1))
