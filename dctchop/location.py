@@ -24,7 +24,7 @@ def is_url(target: str | os.PathLike) -> bool:
 
 
 class Location:
-    """A store's root. Keys are ``/``-separated paths below it (``images/c/0/0/0``).
+    """A store's root. Keys are ``/``-separated paths below it (``images/c.0.0.0``).
 
     Pickles as its target string, so Dask tasks carry it and make their own filesystem in the worker.
     """
