@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import shutil
 import tempfile
@@ -47,6 +46,7 @@ import dctchop
 from dctchop.formats import open_source
 from dctchop.location import Location
 from dctchop.store import CompressOptions, compress
+from dctchop.transform import resolve_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_MEAN, IMAGE_STD = (120.0, 118.0, 110.0), (60.0, 58.0, 62.0)
@@ -289,7 +289,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = resolve_threads(None)
     print(f"\n{platform.processor() or platform.machine()}, {cpus} cores, Python {platform.python_version()}, "
           f"torch {getattr(torch, '__version__', 'absent')}, CUDA {'yes' if cuda else 'no (device rows unmeasured)'}")
     print(f"images: {args.images} x 32x32x3 uint8 -> float32 NCHW normalised; fields: {args.fields} x 32³ float32; "

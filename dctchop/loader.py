@@ -20,7 +20,6 @@ Device decode. With ``device=`` set, only the stored coefficients of each chunk 
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +31,7 @@ import numpy as np
 from dctchop.dataset import Dataset
 from dctchop.errors import DctchopError
 from dctchop.layout import infer_axes
+from dctchop.transform import resolve_threads
 
 __all__ = ["Loader", "epoch_order"]
 
@@ -294,8 +294,8 @@ class Loader:
         self.batch_size = _positive_int(batch_size, "batch_size")
         self.window = _positive_int(window, "window")
         self.prefetch = _positive_int(prefetch, "prefetch")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.threads = min(cores, DEFAULT_MAX_THREADS) if threads is None else _positive_int(threads, "threads")
+        self.threads = (min(resolve_threads(None), DEFAULT_MAX_THREADS) if threads is None
+                        else _positive_int(threads, "threads"))
         self.world_size = _positive_int(world_size, "world_size")
         self.num_workers = _positive_int(num_workers, "num_workers")
         for value, limit, what, total in ((rank, world_size, "rank", "world_size"),
