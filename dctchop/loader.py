@@ -500,7 +500,9 @@ class Loader:
         """A numpy array to gather into; backed by pinned torch memory when batches go to a CUDA device."""
         if self.device is not None and self.device.type == "cuda":
             torch = require_torch()
-            tensor = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
+            from dctchop.torch_decode import torch_dtype
+
+            tensor = torch.empty(shape, dtype=torch_dtype(np.dtype(dtype).name), pin_memory=True)
             return tensor.numpy(), tensor
         return np.empty(shape, dtype=dtype), None
 
