@@ -43,6 +43,7 @@ import h5py
 import numpy as np
 
 import dctchop
+from dctchop import quantize as qz
 from dctchop.formats import open_source
 from dctchop.location import Location
 from dctchop.store import CompressOptions, compress
@@ -121,8 +122,7 @@ def jpeg_encode(images: np.ndarray, target_psnr: float) -> tuple[list[bytes], in
 
     def psnr(q, xs):
         dec = np.stack([simplejpeg.decode_jpeg(b, colorspace="RGB") for b in encode(q, xs)])
-        mse = np.mean((dec.astype(np.float64) - xs) ** 2)
-        return 10 * math.log10(255**2 / mse)
+        return qz.psnr(qz.error_stats(xs, dec)[0] / xs.size, 255.0)
 
     probe = images[:: max(1, len(images) // 512)]
     quality = next((q for q in range(50, 101) if psnr(q, probe) >= target_psnr), 100)

@@ -73,6 +73,7 @@ from pathlib import Path
 import numcodecs
 import numpy as np
 
+from dctchop import quantize as qz
 from dctchop.codec import ChunkSettings, decode_chunk, encode_chunk
 from dctchop.layout import colour_axis, infer_axes
 from dctchop.store import ZSTD_LEVEL
@@ -275,12 +276,11 @@ def measure(ds: Dataset, codec: Codec, result: Result, repeats: int) -> Result:
     sse, err = 0.0, 0.0
     for x, y in zip(ds.items, decoded):
         assert y.shape == x.shape and y.dtype == x.dtype, (result.method, y.shape, y.dtype)
-        d = y.astype(np.float64) - x.astype(np.float64)
-        sse += float(np.sum(d * d))
-        err = max(err, float(np.max(np.abs(d))))
+        item_sse, item_err = qz.error_stats(x, y)
+        sse, err = sse + item_sse, max(err, item_err)
     mse = sse / sum(x.size for x in ds.items)
     result.ratio = ds.nbytes / codec.stored(parts)
-    result.psnr = math.inf if mse == 0 else 20 * math.log10(ds.peak) - 10 * math.log10(mse)
+    result.psnr = qz.psnr(mse, ds.peak)
     result.max_abs_error = err
     result.compress_mbs = ds.nbytes / 1e6 / t_c
     result.decompress_mbs = ds.nbytes / 1e6 / t_d
