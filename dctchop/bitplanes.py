@@ -23,7 +23,6 @@ import numba
 import numpy as np
 
 from dctchop.errors import CorruptChunkError
-from dctchop.quantize import scatter_scaled
 
 
 @numba.njit(inline="always")
@@ -209,23 +208,22 @@ def to_planes(q: np.ndarray, seg_starts: np.ndarray) -> bytes:
 
 
 @numba.njit(nogil=True, cache=True)
-def _unpack_scatter(planes, offsets, run_starts, masks, n_bytes, first, seg_starts, seg_bands, steps, index,
-                    out):  # pragma: no cover - compiled
-    """``out[index[i]] = value * step`` for a piece of every run: the int values are never stored. Run ``s``
-    holds the values from storage position ``first[s]`` of the chunk's run ``s``, which starts at
-    ``run_starts[s]`` (8 values to a group) and whose planes start at ``offsets[s]``."""
+def _unpack_dequantize(planes, offsets, run_starts, masks, n_bytes, first, seg_starts, seg_bands, steps,
+                       out):  # pragma: no cover - compiled
+    """``out[seg_starts[s] + i] = value * step`` for a piece of every run ``s``: the int values are never
+    stored. The piece holds the values from storage position ``first[s]`` of the chunk's run ``s``, which starts
+    at ``run_starts[s]`` (8 values to a group) and whose planes start at ``offsets[s]``."""
     set_planes = np.empty((2, 8), dtype=np.int64)
     lo_words, hi_words, signed, lo_bytes, hi_bytes = _run_buffers(seg_starts)
-    values = np.empty(8 * lo_words.size, dtype=np.int32)
     for s in range(seg_bands.size):
         start, n = seg_starts[s], seg_starts[s + 1] - seg_starts[s]
         groups = (run_starts[s + 1] - run_starts[s] + 7) // 8
         g0 = (first[s] - run_starts[s]) // 8
         high, _ = _decode_run(planes, offsets[s], groups, g0, (n + 7) // 8, masks[s], n_bytes, set_planes, lo_words,
                               hi_words)
+        step, dst = steps[seg_bands[s]], out[start : start + n]
         for i in range(n):
-            values[i] = _run_value(high, signed, lo_bytes, hi_bytes, i)
-        scatter_scaled(values, 0, n, steps[seg_bands[s]], index, start, out)
+            dst[i] = _run_value(high, signed, lo_bytes, hi_bytes, i) * step
 
 
 @dataclass(frozen=True)
@@ -238,10 +236,10 @@ class Planes:
     seg_starts: np.ndarray
     itemsize: int
 
-    def dequantize_into(self, steps, first, seg_starts, seg_bands, index, out) -> None:
+    def dequantize_into(self, steps, first, seg_starts, seg_bands, out) -> None:
         """:func:`dctchop.quantize.dequantize_into` straight from the planes; each piece must start a group."""
-        _unpack_scatter(self.data, self.offsets, self.seg_starts, self.masks, self.itemsize, first, seg_starts,
-                        seg_bands, steps, index, out)
+        _unpack_dequantize(self.data, self.offsets, self.seg_starts, self.masks, self.itemsize, first, seg_starts,
+                           seg_bands, steps, out)
 
 
 def check_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> Planes:

@@ -45,7 +45,8 @@ from zarr.core.common import parse_named_configuration
 from dctchop import quantize as qz
 from dctchop.bitplanes import check_planes, from_planes, to_planes
 from dctchop.errors import CorruptChunkError, DctchopError
-from dctchop.transform import MASKS, TransformPlan, _pool, forward, gather, inverse, make_plan, slabs, work_dtype
+from dctchop.transform import (MASKS, TransformPlan, _pool, forward, gather, inverse, make_plan, place, slabs,
+                               work_dtype)
 
 if TYPE_CHECKING:
     from typing import Self
@@ -349,23 +350,26 @@ SLAB_VALUES = 1 << 17
 
 def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill) -> np.ndarray:
     """Coefficients -> data one slab (:func:`dctchop.transform.slabs`) at a time, slabs shared among threads:
-    a slab's coefficient image stays in cache from ``fill(first, seg_starts, seg_bands, index, flat image)``
-    through the inverse passes, where the whole chunk's image would stream through memory once per step."""
+    a slab's values stay in cache from ``fill(first, seg_starts, seg_bands, values)`` (dequantized, storage
+    order) through :func:`dctchop.transform.place` and the inverse passes, where the whole chunk's coefficients
+    would stream through memory once per step."""
     dtype = np.dtype(dtype)
     out = np.empty(plan.shape, dtype=dtype)
     parts = slabs(plan, SLAB_VALUES)
     inner_threads = threads if len(parts) == 1 else 1
 
     def run(part_list) -> None:
-        images = {}
+        buffers = {}
         for part in part_list:
             p = part.plan
-            image = images.get(p.shape)
-            if image is None:  # positions the mask drops stay zero; the others are all written
+            if p.shape not in buffers:  # positions the mask drops stay zero; the others are all written
                 full = p.n_values == math.prod(p.coefficient_shape)
-                image = images[p.shape] = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
-            index, seg_starts, seg_bands = p.order
-            fill(part.first, seg_starts, seg_bands, index, image.reshape(-1))
+                image = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
+                buffers[p.shape] = np.empty(p.n_values, work_dtype(dtype)), image
+            values, image = buffers[p.shape]
+            _, seg_starts, seg_bands = p.order
+            fill(part.first, seg_starts, seg_bands, values)
+            place(values, p, image.reshape(-1))
             inverse(image, p, dtype, inner_threads, out=out[part.start : part.stop])
 
     n_jobs = min(threads, len(parts))

@@ -638,6 +638,93 @@ def _storage_order(shape, axes, block, keep, mask):
 
 
 @dataclass(frozen=True)
+class Placement:
+    """The storage order factored by block group, for moving values block by block instead of run by run.
+
+    Every run holds one band of one block group (the blocks sharing a shape), the group's blocks in C order.
+    So value ``i`` of run ``s`` of group ``g`` sits in the coefficient image at ``base[s] + blocks[b + i]``
+    with ``b = block_starts[g]``: the run's first position plus block ``i``'s offset from the group's first
+    block. Runs ``group_runs[g]:group_runs[g + 1]`` are group ``g``'s.
+    """
+
+    base: np.ndarray = field(repr=False)
+    group_runs: np.ndarray = field(repr=False)
+    blocks: np.ndarray = field(repr=False)
+    block_starts: np.ndarray = field(repr=False)
+
+
+@lru_cache(maxsize=16)
+def _placement(shape, axes, block, keep, mask) -> Placement:
+    index, seg_starts, _ = _plan(shape, axes, block, keep, mask).order
+    base = index[seg_starts[:-1]]
+    group_runs, offsets = [], []
+    for s in range(seg_starts.size - 1):
+        rel = index[seg_starts[s] : seg_starts[s + 1]] - base[s]
+        if not offsets or not np.array_equal(rel, offsets[-1]):
+            group_runs.append(s)
+            offsets.append(rel)
+    group_runs.append(seg_starts.size - 1)
+    block_starts = np.cumsum([0] + [o.size for o in offsets])
+    blocks = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
+    placement = Placement(base, np.asarray(group_runs, np.int64), blocks.astype(np.int64),
+                          block_starts.astype(np.int64))
+    for arr in (placement.base, placement.group_runs, placement.blocks, placement.block_starts):
+        arr.setflags(write=False)
+    return placement
+
+
+def placement(plan: TransformPlan) -> Placement:
+    """The storage order of ``plan`` factored by block group (cached per setting)."""
+    return _placement(plan.shape, plan.axes, plan.block, plan.keep, plan.mask)
+
+
+# Moving values between storage order and the coefficient image block by block, eight blocks at a time, keeps
+# the image's lines in L1 while all their values move: run by run, every band sweeps the whole image and
+# each store lands on a different line (about 2x slower on 128K-value slabs). Indices are cast to uint64 so
+# numba does not check them for negative wraparound on every access.
+@numba.njit(inline="always")
+def _eight(offsets, i):  # pragma: no cover - compiled
+    """``offsets[i : i + 8]`` as eight uint64 scalars."""
+    return (np.uint64(offsets[i]), np.uint64(offsets[i + 1]), np.uint64(offsets[i + 2]), np.uint64(offsets[i + 3]),
+            np.uint64(offsets[i + 4]), np.uint64(offsets[i + 5]), np.uint64(offsets[i + 6]), np.uint64(offsets[i + 7]))
+
+
+@numba.njit(nogil=True, cache=True)
+def _move(values, image, to_image, seg_starts, base, group_runs, blocks, block_starts):  # pragma: no cover - compiled
+    """Value ``i`` of run ``s`` of group ``g``, ``values[seg_starts[s] + i]``, to ``image[base[s] +
+    blocks[block_starts[g] + i]]`` when ``to_image``, else the other way."""
+    for g in range(group_runs.size - 1):
+        first_run, end_run = group_runs[g], group_runs[g + 1]
+        offsets = blocks[block_starts[g] : block_starts[g + 1]]
+        n = offsets.size
+        for i in range(0, n - n % 8, 8):
+            o0, o1, o2, o3, o4, o5, o6, o7 = _eight(offsets, i)
+            for s in range(first_run, end_run):
+                b, v = np.uint64(base[s]), values[seg_starts[s] + i : seg_starts[s] + i + 8]
+                if to_image:
+                    image[b + o0], image[b + o1], image[b + o2], image[b + o3] = v[0], v[1], v[2], v[3]
+                    image[b + o4], image[b + o5], image[b + o6], image[b + o7] = v[4], v[5], v[6], v[7]
+                else:
+                    v[0], v[1], v[2], v[3] = image[b + o0], image[b + o1], image[b + o2], image[b + o3]
+                    v[4], v[5], v[6], v[7] = image[b + o4], image[b + o5], image[b + o6], image[b + o7]
+        for i in range(n - n % 8, n):
+            o = np.uint64(offsets[i])
+            for s in range(first_run, end_run):
+                k, j = np.uint64(seg_starts[s] + i), np.uint64(base[s]) + o
+                if to_image:
+                    image[j] = values[k]
+                else:
+                    values[k] = image[j]
+
+
+def place(values: np.ndarray, plan: TransformPlan, out: np.ndarray) -> None:
+    """Values in storage order -> their positions in the flat coefficient image ``out`` (other positions are
+    left as they are)."""
+    p = placement(plan)
+    _move(values, out, True, plan.order[1], p.base, p.group_runs, p.blocks, p.block_starts)
+
+
+@dataclass(frozen=True)
 class Slab:
     """Rows ``start:stop`` of axis 0 of a chunk, transformed on their own with ``plan``: run ``s`` of the slab's
     stored values is the contiguous piece of the chunk's run ``s`` that begins at storage position ``first[s]``."""
@@ -781,52 +868,20 @@ def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int =
     return out
 
 
-GATHER_WINDOW = 1 << 17  # coefficient-image positions per window: 512 KB of float32, sized for L2
-
-
 def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:
-    """Stored coefficients in band-major order (mask applied), as a 1-D array.
-
-    Read window by window of the coefficient image: every band run takes its values from one window while
-    that window is in cache, where reading in storage order strides through the whole image once per band
-    (4x faster on a 47 MB image chunk, level on a 4 MB one)."""
-    index, seg_starts, _ = plan.order
-    out = np.empty(index.size, dtype=coefficients.dtype)
-    bounds = _window_bounds(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, GATHER_WINDOW)
-    _gather_windows(np.ascontiguousarray(coefficients).reshape(-1), index, seg_starts, bounds, out)
+    """Stored coefficients in band-major order (mask applied), as a 1-D array; read block by block (see
+    :func:`_move`), 2-3x faster than band by band."""
+    out = np.empty(plan.n_values, dtype=coefficients.dtype)
+    p = placement(plan)
+    _move(out, np.ascontiguousarray(coefficients).reshape(-1), False, plan.order[1], p.base, p.group_runs, p.blocks,
+          p.block_starts)
     return out
-
-
-@lru_cache(maxsize=16)
-def _window_bounds(shape, axes, block, keep, mask, window: int) -> np.ndarray:
-    """``bounds[w, s]``: the end of run ``s``'s storage positions that lie in windows ``0..w`` of the
-    coefficient image. Within a run the positions increase (its blocks follow the array's C order)."""
-    plan = _plan(shape, axes, block, keep, mask)
-    index, seg_starts, _ = plan.order
-    steps = np.diff(index)
-    steps[seg_starts[1:-1] - 1] = 1  # where one run ends and the next begins
-    assert np.all(steps > 0), "storage positions must increase within a run"
-    size = math.prod(plan.coefficient_shape)
-    edges = np.arange(window, size + window, window)
-    bounds = np.empty((edges.size, seg_starts.size - 1), dtype=np.int64)
-    for s in range(seg_starts.size - 1):
-        bounds[:, s] = seg_starts[s] + np.searchsorted(index[seg_starts[s] : seg_starts[s + 1]], edges)
-    return bounds
-
-
-@numba.njit(nogil=True, cache=True)
-def _gather_windows(flat, index, seg_starts, bounds, out):  # pragma: no cover - compiled
-    for w in range(bounds.shape[0]):
-        for s in range(seg_starts.size - 1):
-            for i in range(seg_starts[s] if w == 0 else bounds[w - 1, s], bounds[w, s]):
-                out[i] = flat[index[i]]
 
 
 def scatter(values: np.ndarray, plan: TransformPlan, dtype) -> np.ndarray:
     """Inverse of :func:`gather`: a coefficient image with zeros where nothing was stored."""
-    index = plan.order[0]
     out = np.zeros(math.prod(plan.coefficient_shape), dtype=dtype)
-    out[index] = values
+    place(np.asarray(values, dtype=dtype), plan, out)
     return out.reshape(plan.coefficient_shape)
 
 

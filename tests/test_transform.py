@@ -6,7 +6,6 @@ import itertools
 import math
 import zlib
 from fractions import Fraction
-from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from dctchop.transform import (
     gather,
     inverse,
     make_plan,
+    placement,
     scatter,
 )
 
@@ -415,17 +415,37 @@ def test_forward_reference_property(params):
 
 
 @HYP
-@given(transform_settings(), st.integers(1, 50))
-def test_windowed_gather_equals_fancy_indexing(params, window):
-    """gather reads the coefficient image in windows (cache blocking); with windows of a few positions every
-    run crosses many window edges, including runs that skip whole windows."""
+@given(transform_settings())
+def test_gather_and_scatter_equal_fancy_indexing(params):
+    """gather and scatter move values block by block through the placement; the storage order (``index``)
+    says where each value belongs. Edge blocks make several block groups, the triangle mask short runs."""
     shape, axes, block, keep, mask, dtype, seed = params
     x = _hyp_data(shape, dtype, seed)
     plan = make_plan(shape, axes, block, keep, mask)
     coef = forward(x, plan)
-    with patch.object(transform, "GATHER_WINDOW", window):
-        values = gather(coef, plan)
-    np.testing.assert_array_equal(values, coef.reshape(-1)[plan.order[0]])
+    index = plan.order[0]
+    values = gather(coef, plan)
+    np.testing.assert_array_equal(values, coef.reshape(-1)[index])
+    image = scatter(values, plan, coef.dtype)
+    expected = np.zeros(coef.size, coef.dtype)
+    expected[index] = values
+    np.testing.assert_array_equal(image.reshape(-1), expected)
+
+
+@pytest.mark.parametrize("shape, axes, block, keep, mask, groups", [
+    ((40, 32, 32, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", 1),
+    ((5, 30, 29), (1, 2), 8, 5, "triangle", 4),  # edge blocks on both axes: full, W edge, H edge, corner
+    ((20, 13), (0,), 8, 8, "square", 2),
+])
+def test_placement_factors_the_storage_order(shape, axes, block, keep, mask, groups):
+    plan = make_plan(shape, axes, block, keep, mask)
+    index, seg_starts, _ = plan.order
+    p = placement(plan)
+    assert p.group_runs.size - 1 == groups and p.group_runs[-1] == seg_starts.size - 1
+    for g in range(groups):
+        offsets = p.blocks[p.block_starts[g] : p.block_starts[g + 1]]
+        for s in range(p.group_runs[g], p.group_runs[g + 1]):
+            np.testing.assert_array_equal(index[seg_starts[s] : seg_starts[s + 1]], p.base[s] + offsets)
 
 
 # ---------------------------------------------------------------------------------------------- threads
