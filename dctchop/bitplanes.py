@@ -46,15 +46,16 @@ def _set_planes(byte_mask, planes_out):  # pragma: no cover - compiled
     return n
 
 
+# Runs and plane rows are reached through slices (see the note on indexing in dctchop.quantize).
 @numba.njit(inline="always")
 def _scatter_planes(words, groups, n, planes_of, block, out):  # pragma: no cover - compiled
     """Inverse of :func:`_gather_planes`: the ``n`` set planes ``planes_of`` of a run's transposed words, each
     as ``groups`` bytes, from ``block`` on in ``out``."""
     for j in range(n):
         shift = np.uint64(8 * planes_of[j])
-        row = block + j * groups
+        row = out[block + j * groups : block + (j + 1) * groups]
         for g in range(groups):
-            out[row + g] = np.uint8((words[g] >> shift) & np.uint64(0xFF))
+            row[g] = np.uint8((words[g] >> shift) & np.uint64(0xFF))
 
 
 @numba.njit(inline="always")
@@ -86,8 +87,9 @@ def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
         start, n = seg_starts[s], seg_starts[s + 1] - seg_starts[s]
         groups = (n + 7) // 8
         m = 0
+        run = q[start : start + n]
         for i in range(n):
-            v = np.int64(q[start + i])
+            v = np.int64(run[i])
             z = (v << 1) ^ (v >> (bits - 1))
             zigzag[i] = z
             m |= z
@@ -127,9 +129,9 @@ def _gather_planes(planes, block, groups, g0, n_groups, n, planes_of, words):  #
         words[g] = 0
     for j in range(n):
         shift = np.uint64(8 * planes_of[j])
-        row = block + j * groups + g0
+        row = planes[block + j * groups + g0 : block + j * groups + g0 + n_groups]
         for g in range(n_groups):
-            words[g] |= np.uint64(planes[row + g]) << shift
+            words[g] |= np.uint64(row[g]) << shift
     for g in range(n_groups):
         words[g] = _transpose8(words[g])
 
@@ -191,8 +193,9 @@ def _unpack(planes, seg_starts, masks, q):  # pragma: no cover - compiled
         groups = (n + 7) // 8
         high, n_planes = _decode_run(planes, pos, groups, 0, groups, masks[s], q.itemsize, set_planes, lo_words,
                                      hi_words)
+        run = q[start : start + n]
         for i in range(n):
-            q[start + i] = _run_value(high, signed, lo_bytes, hi_bytes, i)
+            run[i] = _run_value(high, signed, lo_bytes, hi_bytes, i)
         pos += groups * n_planes
 
 

@@ -273,9 +273,10 @@ def _inverse_tiled(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cov
 
 @numba.njit(inline="always")
 def _tile_product(tin, tout, mat, block_rows, zero):  # pragma: no cover - compiled
-    """``tout = mat.T @ tin`` block by block, across the TILE columns of a tile."""
+    """``tout = mat.T @ tin`` block by block, across the TILE columns of a tile. Rows are uint64: no wraparound
+    checks (see the note on indexing in dctchop.quantize)."""
     for b in range(block_rows.shape[0]):
-        r0, nr, s0, w = block_rows[b, 0], block_rows[b, 1], block_rows[b, 2], block_rows[b, 3]
+        r0, nr, s0, w = np.uint64(block_rows[b, 0]), block_rows[b, 1], np.uint64(block_rows[b, 2]), block_rows[b, 3]
         for j in range(w):
             if nr == 8:
                 m = _rows8(mat, r0, j)
