@@ -245,6 +245,9 @@ class Planes:
                            seg_bands, steps, out)
 
 
+_BITS_SET = np.array([bin(b).count("1") for b in range(256)], dtype=np.int64)  # set bits of each byte value
+
+
 def check_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> Planes:
     """Split a payload into masks and planes; CorruptChunkError when its size does not match the masks."""
     dtype = np.dtype(dtype)
@@ -254,7 +257,7 @@ def check_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> Pla
         raise CorruptChunkError("bit-plane payload is shorter than its run masks")
     masks = np.frombuffer(data, dtype=f"<u{dtype.itemsize}", count=n_runs).astype(np.uint64)
     groups = (np.diff(seg_starts) + 7) // 8
-    sizes = groups * np.array([int(m).bit_count() for m in masks], dtype=np.int64)
+    sizes = groups * (_BITS_SET[masks & np.uint64(0xFF)] + _BITS_SET[masks >> np.uint64(8)])
     offsets = np.concatenate(([0], np.cumsum(sizes)))
     expected = head + int(offsets[-1])
     if len(data) != expected:
