@@ -8,7 +8,8 @@ epoch; shares are disjoint and together cover the data; a chunk is decoded by at
 at each boundary). Within a batch, samples are grouped by chunk so each group is one contiguous copy.
 
 Pipeline. Background threads read, check and decode chunks (numba kernels that release the GIL); one more
-thread gathers the samples of each batch into a fresh contiguous array, converting them to the output
+thread gathers the samples of each batch into a contiguous array (one handed out before and no longer
+referenced anywhere when there is one, else a new one), converting them to the output
 layout, dtype and normalisation in the same pass (float32 output; other conversions are made on the whole
 chunk in the decoding thread). ``prefetch`` batches are built ahead while the training step runs, decoding
 runs up to ``window`` chunks ahead of the batches, and a decoded chunk is dropped after the last batch that
@@ -20,6 +21,8 @@ Device decode. With ``device=`` set, only the stored coefficients of each chunk 
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -226,6 +229,35 @@ def _prepare_host(x: np.ndarray, spec: OutputSpec) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- loader
 
 
+class _RecycledArrays:
+    """Batch arrays handed out earlier, given out again once nothing but this pool refers to them.
+
+    A fresh array of a batch's size comes from the kernel as untouched pages, and faulting them in costs
+    about a quarter of decoding the batch (measured: 0.8 ms per 4 MB of float32 fields). A view, a torch
+    tensor made with ``torch.from_numpy``, or any other reference to an array keeps it out of the pool.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._arrays: deque[np.ndarray] = deque(maxlen=size)
+        self._lock = threading.Lock()  # iterations running at once share the pool
+        self._probe = [np.empty(0)]  # referred to like a free pooled array: by a container and one local
+
+    def get(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        with self._lock:
+            probe = self._probe[0]
+            free = sys.getrefcount(probe)  # what the interpreter counts for an array nobody else holds
+            for k in range(len(self._arrays)):
+                array = self._arrays[k]
+                if array.shape == shape and array.dtype == dtype and sys.getrefcount(array) == free:
+                    del self._arrays[k]
+                    self._arrays.append(array)
+                    return array
+            array = np.empty(shape, dtype=dtype)
+            self._arrays.append(array)
+            return array
+
+
+
 @dataclass
 class _Batch:
     samples: np.ndarray  # sample indices, grouped by chunk
@@ -334,6 +366,7 @@ class Loader:
         if self.device_decode and not all(v._reader.direct for v, s in zip(self._views, self.specs) if s.lossy):
             raise DctchopError("device decode needs arrays stored as dctchop chunk files; pass device_decode=False")
         self.epoch = 0
+        self._recycled = _RecycledArrays(self.prefetch + 4)
 
     # setup ---------------------------------------------------------------------------------------------
     def _choose_arrays(self, arrays) -> list[str]:
@@ -472,7 +505,7 @@ class Loader:
         return loaded
 
     def _assemble(self, batch: _Batch, futures: dict[int, Future], release: list[int], device_stage):
-        """Runs in the batch thread: gather one batch from its (prepared) chunks into fresh arrays."""
+        """Runs in the batch thread: gather one batch from its (prepared) chunks into arrays nobody else holds."""
         chunks = {c: f.result() for c, f in futures.items()}
         chunk_len = self.dataset.chunk_len
         if device_stage is not None:
@@ -504,7 +537,7 @@ class Loader:
 
             tensor = torch.empty(shape, dtype=torch_dtype(np.dtype(dtype).name), pin_memory=True)
             return tensor.numpy(), tensor
-        return np.empty(shape, dtype=dtype), None
+        return self._recycled.get(tuple(shape), np.dtype(dtype)), None
 
     def _to_output(self, buffer: np.ndarray, tensor, spec: OutputSpec):
         if not self.torch:
