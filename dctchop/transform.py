@@ -824,12 +824,34 @@ def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int =
     array of that shape and dtype the result is written to (and returned).
     """
     dtype = np.dtype(dtype)
-    wdt = work_dtype(dtype)
-    cur = np.ascontiguousarray(coefficients, dtype=wdt)
+    cur = np.ascontiguousarray(coefficients, dtype=work_dtype(dtype))
     if cur.shape != plan.coefficient_shape:
         raise DctchopError(f"coefficient shape {cur.shape} does not match {plan.coefficient_shape}")
-    shape = list(cur.shape)
+    passes = _inverse_passes(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, dtype.str, threads)
+    for step, (kernel, src_view, shape, dst_view, dst_dtype, args) in enumerate(passes):
+        last = step == len(passes) - 1
+        dst = out if last and out is not None and dst_dtype == dtype else np.empty(shape, dtype=dst_dtype)
+        _run_split(kernel, cur.reshape(src_view), dst.reshape(dst_view), args, threads)
+        cur = dst
+    if dtype == np.float16:  # ringing near the float16 limit must not overflow to inf
+        np.clip(cur, -65504.0, 65504.0, out=cur)
+    if out is None:
+        return cur.astype(dtype, copy=False)
+    if cur is not out:
+        np.copyto(out, cur, casting="unsafe")
+    return out
+
+
+@lru_cache(maxsize=64)
+def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int) -> tuple[tuple, ...]:
+    """The kernel calls of :func:`inverse`, worked out once per setting (a decoder calls it once per slab):
+    ``(kernel, source view, output shape, output view, output dtype, kernel arguments)`` per pass."""
+    plan = _plan(shape, axes, block, keep, mask)
+    dtype = np.dtype(dtype_str)
+    wdt = work_dtype(dtype)
+    shape = list(plan.coefficient_shape)
     passes = list(zip(reversed(plan.axes), reversed(plan.axis_plans)))
+    calls = []
     colour = None  # a colour pass left to the next pass's gather
     for step, (a, p) in enumerate(passes):
         last = step == len(passes) - 1
@@ -840,33 +862,26 @@ def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int =
             continue
         shape[a] = p.length
         out_dtype = dtype if last and dtype.kind in "iu" else (np.float32 if last and dtype == np.float16 else wdt)
-        dst = out if last and out is not None and out_dtype == dtype else np.empty(shape, dtype=out_dtype)
         if dtype.kind in "iu" and last:
             info = np.iinfo(dtype)
             lo, hi, is_int = float(info.min), float(info.max), True
         else:
             lo, hi, is_int = 0.0, 0.0, False
-        args = (p.matrix.astype(wdt), p.block_rows, lo, hi, is_int)
+        mat = p.matrix.astype(wdt)
+        args = (mat, p.block_rows, lo, hi, is_int)
         if _is_rows3(p, n_inner):
-            _run_split(_rows3, cur.reshape(n_outer, 3), dst.reshape(n_outer, 3), (args[0], *args[2:]), threads)
+            call = (_rows3, (n_outer, 3), (n_outer, 3), (mat, lo, hi, is_int))
         elif _is_rows8(p, n_inner):
-            _run_split(_inverse_rows8, cur.reshape(n_outer, kept), dst.reshape(n_outer, p.length), args, threads)
+            call = (_inverse_rows8, (n_outer, kept), (n_outer, p.length), args)
         elif colour is not None:
-            _run_split(_inverse_tiled_rows3, cur.reshape(n_outer, kept, 3), dst.reshape(n_outer, p.length, 3),
-                       (colour, *args), threads)
+            call = (_inverse_tiled_rows3, (n_outer, kept, 3), (n_outer, p.length, 3), (colour, *args))
             colour = None
         else:
             kernel = _inverse_tiled if n_inner < SHORT_INNER else _inverse_3d
-            _run_split(kernel, cur.reshape(n_outer, kept, n_inner), dst.reshape(n_outer, p.length, n_inner),
-                       args, threads)
-        cur = dst
-    if dtype == np.float16:  # ringing near the float16 limit must not overflow to inf
-        np.clip(cur, -65504.0, 65504.0, out=cur)
-    if out is None:
-        return cur.astype(dtype, copy=False)
-    if cur is not out:
-        np.copyto(out, cur, casting="unsafe")
-    return out
+            call = (kernel, (n_outer, kept, n_inner), (n_outer, p.length, n_inner), args)
+        kernel, src_view, dst_view, kernel_args = call
+        calls.append((kernel, src_view, tuple(shape), dst_view, np.dtype(out_dtype), kernel_args))
+    return tuple(calls)
 
 
 def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:
