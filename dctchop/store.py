@@ -363,7 +363,7 @@ def unframe(raw: bytes) -> bytes:
     """Inverse of :func:`_stored_bytes`: check the crc32c trailer, undo zstd; CorruptChunkError if damaged."""
     if len(raw) < 5:
         raise CorruptChunkError(f"chunk file is {len(raw)} bytes (truncated)")
-    body, trailer = raw[:-4], raw[-4:]
+    body, trailer = np.frombuffer(raw, np.uint8, count=len(raw) - 4), raw[-4:]  # a view, not a copy
     if struct.pack("<I", google_crc32c.value(body)) != trailer:
         raise CorruptChunkError("crc32c checksum mismatch (the chunk file is corrupted or truncated)")
     try:
