@@ -261,18 +261,41 @@ def expected_mse(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, n
 
 
 @numba.njit(nogil=True, cache=True)
-def _error_stats(x, y, rows, zero):  # pragma: no cover - compiled
-    """Accumulates in the type of ``zero``: float64, or for integer data int64, which is exact and vectorises
-    (a float64 sum in strict order does not)."""
-    sse = zero
-    worst = zero
+def _error_stats_int(x, y, rows):  # pragma: no cover - compiled
+    """Exact, in int64 (which also vectorises)."""
+    sse = worst = np.int64(0)
     for i in range(x.shape[0]):
         if rows[i]:
             for j in range(x.shape[1]):
-                d = y[i, j] - (zero + x[i, j])
+                d = np.int64(y[i, j]) - np.int64(x[i, j])
                 sse += d * d
                 worst = max(worst, abs(d))
     return sse, worst
+
+
+@numba.njit(nogil=True, cache=True)
+def _error_stats_float(x, y, rows):  # pragma: no cover - compiled
+    """In float64, row by row: the differences, then their largest magnitude (as the integer it is bitwise:
+    for finite floats the order is the same) and their squares summed by :func:`_lane_sum`. Each is a loop the
+    compiler vectorises, where a running maximum of floats and a strict running sum are not (2x faster)."""
+    sse = 0.0
+    worst = np.zeros(1, dtype=np.int64)
+    diff = np.empty(x.shape[1])
+    bits = diff.view(np.int64)
+    magnitude = np.int64(0x7FFFFFFFFFFFFFFF)
+    for i in range(x.shape[0]):
+        if rows[i]:
+            xi, yi = x[i], y[i]
+            for j in range(xi.size):
+                diff[j] = np.float64(yi[j]) - np.float64(xi[j])
+            w = worst[0]
+            for j in range(xi.size):
+                w = max(w, bits[j] & magnitude)
+            worst[0] = w
+            for j in range(xi.size):
+                diff[j] = diff[j] * diff[j]
+            sse += _lane_sum(diff, xi.size)
+    return sse, worst.view(np.float64)[0]
 
 
 def error_stats(x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None) -> tuple[float, float]:
@@ -281,8 +304,8 @@ def error_stats(x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None) ->
         x, y = x.astype(np.float32), y.astype(np.float32)
     n = x.shape[0] if x.ndim else 1
     rows = np.ones(n, dtype=np.bool_) if rows is None else rows
-    zero = np.int64(0) if x.dtype.kind in "iu" and y.dtype.kind in "iu" else np.float64(0)
-    sse, worst = _error_stats(x.reshape(n, -1), y.reshape(n, -1), rows, zero)
+    kernel = _error_stats_int if x.dtype.kind in "iu" and y.dtype.kind in "iu" else _error_stats_float
+    sse, worst = kernel(x.reshape(n, -1), y.reshape(n, -1), rows)
     return float(sse), float(worst)
 
 
