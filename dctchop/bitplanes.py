@@ -23,6 +23,7 @@ import numba
 import numpy as np
 
 from dctchop.errors import CorruptChunkError
+from dctchop.quantize import longest_run
 
 
 @numba.njit(inline="always")
@@ -73,9 +74,7 @@ def _pack(q, seg_starts, masks, out):  # pragma: no cover - compiled
     few shifts (numba's targets are all little-endian); the words are transposed and the set planes written
     out, each step a loop over the run's groups that the compiler vectorises."""
     bits = 8 * q.itemsize
-    longest = 0
-    for s in range(seg_starts.size - 1):
-        longest = max(longest, seg_starts[s + 1] - seg_starts[s])
+    longest = longest_run(seg_starts)
     zigzag = np.zeros((longest + 7) // 8 * 8, dtype=q.dtype)
     words = zigzag.view(np.uint64)
     lo_words = np.empty((longest + 7) // 8, dtype=np.uint64)
@@ -175,9 +174,7 @@ def _run_value(high, signed, lo_bytes, hi_bytes, i):  # pragma: no cover - compi
 @numba.njit(inline="always")
 def _run_buffers(seg_starts):  # pragma: no cover - compiled
     """Words for the longest run, and their int8 / uint8 views."""
-    longest = 0
-    for s in range(seg_starts.size - 1):
-        longest = max(longest, seg_starts[s + 1] - seg_starts[s])
+    longest = longest_run(seg_starts)
     lo_words = np.zeros((longest + 7) // 8, dtype=np.uint64)
     hi_words = np.zeros((longest + 7) // 8, dtype=np.uint64)
     return lo_words, hi_words, lo_words.view(np.int8), lo_words.view(np.uint8), hi_words.view(np.uint8)

@@ -55,6 +55,15 @@ def check_precision(precision: str) -> None:
 # is the error the stored chunk has.
 
 
+@numba.njit(inline="always")
+def longest_run(seg_starts):  # pragma: no cover - compiled
+    """The most values any run holds: the size of a kernel's per-run buffer."""
+    longest = 0
+    for s in range(seg_starts.size - 1):
+        longest = max(longest, seg_starts[s + 1] - seg_starts[s])
+    return longest
+
+
 # Kernels reach a run through a slice, never as values[start + i]: numba checks a signed index that it cannot
 # prove non-negative for wraparound on every access, which stops LLVM vectorising the loop (quantize 5x,
 # bit-plane pack and unpack 3-5x slower).
@@ -106,10 +115,7 @@ def _int_error(values, seg_starts, seg_bands, steps, qmax, out):  # pragma: no c
     """Squared quantization error; the quantized values go to ``out`` unless it is empty. Each run's squared
     errors are summed by :func:`_lane_sum` after a loop that only quantizes (3x faster than one loop)."""
     keep = out.size > 0
-    longest = 0
-    for s in range(seg_bands.size):
-        longest = max(longest, seg_starts[s + 1] - seg_starts[s])
-    squares = np.empty(longest)
+    squares = np.empty(longest_run(seg_starts))
     total = 0.0
     for s in range(seg_bands.size):
         step = steps[seg_bands[s]]
@@ -279,7 +285,7 @@ def _error_stats_float(x, y, rows):  # pragma: no cover - compiled
     for finite floats the order is the same) and their squares summed by :func:`_lane_sum`. Each is a loop the
     compiler vectorises, where a running maximum of floats and a strict running sum are not (2x faster)."""
     sse = 0.0
-    worst = np.zeros(1, dtype=np.int64)
+    worst = np.int64(0)
     diff = np.empty(x.shape[1])
     bits = diff.view(np.int64)
     magnitude = np.int64(0x7FFFFFFFFFFFFFFF)
@@ -288,14 +294,12 @@ def _error_stats_float(x, y, rows):  # pragma: no cover - compiled
             xi, yi = x[i], y[i]
             for j in range(xi.size):
                 diff[j] = np.float64(yi[j]) - np.float64(xi[j])
-            w = worst[0]
             for j in range(xi.size):
-                w = max(w, bits[j] & magnitude)
-            worst[0] = w
+                worst = max(worst, bits[j] & magnitude)
             for j in range(xi.size):
                 diff[j] = diff[j] * diff[j]
             sse += _lane_sum(diff, xi.size)
-    return sse, worst.view(np.float64)[0]
+    return sse, np.full(1, worst).view(np.float64)[0]
 
 
 def error_stats(x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None) -> tuple[float, float]:
