@@ -257,7 +257,6 @@ class _RecycledArrays:
             return array
 
 
-
 @dataclass
 class _Batch:
     samples: np.ndarray  # sample indices, grouped by chunk
