@@ -193,22 +193,26 @@ def _chunk_ranges(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
 
 
-def scan_float(plan: ArrayPlan) -> None:
-    """Refuse NaN/Inf (with their count and first index) and set the PSNR peak to max - min."""
-    lo, hi, bad, first = math.inf, -math.inf, 0, None
-    for s, e in _chunk_ranges(plan.source.shape[0], plan.chunks[0]):
-        x = plan.source.read(s, e)
+def scan_float(plan: ArrayPlan, threads: int = 1) -> None:
+    """Refuse NaN/Inf (with their count and first index) and set the PSNR peak to max - min, reading the
+    chunks on ``threads`` threads."""
+
+    def scan(start: int, stop: int) -> tuple[float, float, int, tuple | None]:
+        x = plan.source.read(start, stop)
+        lo, hi = float(x.min()), float(x.max())  # a NaN or an infinity shows in one of them
+        if math.isfinite(lo) and math.isfinite(hi):
+            return lo, hi, 0, None
         finite = np.isfinite(x)
-        if not finite.all():
-            if first is None:
-                first = tuple(int(i) for i in np.argwhere(~finite)[0])
-                first = (first[0] + s, *first[1:])
-            bad += int(x.size - np.count_nonzero(finite))
-            continue
-        lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+        first = tuple(int(i) for i in np.argwhere(~finite)[0])
+        return lo, hi, int(x.size - np.count_nonzero(finite)), (first[0] + start, *first[1:])
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dctchop-scan") as pool:
+        found = list(pool.map(lambda r: scan(*r), _chunk_ranges(plan.source.shape[0], plan.chunks[0])))
+    bad = [(n, first) for _, _, n, first in found if n]
     if bad:
-        raise DctchopError(f"{plan.name}: {bad} NaN or infinite values, first at index {list(first)}")
-    plan.peak = hi - lo
+        raise DctchopError(f"{plan.name}: {sum(n for n, _ in bad)} NaN or infinite values, "
+                           f"first at index {list(bad[0][1])}")
+    plan.peak = max(hi for _, hi, _, _ in found) - min(lo for lo, _, _, _ in found)
     if plan.settings.target_psnr is not None:
         plan.settings = replace(plan.settings, peak=plan.peak if plan.peak > 0 else 1.0)
 
@@ -442,7 +446,7 @@ def _metadata_bytes(root: Location, plan: ArrayPlan) -> int:
 
 
 def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = False) -> None:
-    """The data array (its chunks are written by :func:`encode_chunk_task`) and the metadata arrays, one
+    """The data array (its chunks are written by :func:`_write_encoded`) and the metadata arrays, one
     element per data chunk stored as plain little-endian bytes, so each task writes its own elements."""
     src = plan.source
     group.create_array(plan.name, shape=src.shape, chunks=plan.chunks, dtype=src.dtype, serializer=plan.codec,
@@ -459,14 +463,10 @@ def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = F
                                 serializer=BytesCodec(endian="little"), fill_value=0)
 
 
-def encode_chunk_task(plan: ArrayPlan, root: Location, i: int, start: int, stop: int) -> dict:
-    """Encode chunk ``i`` (samples ``[start, stop)``), write its file and its metadata elements whole, and
-    return the metadata. Module-level and self-contained so it runs as a Dask task in any process.
-
-    The metrics are measured on a decode of exactly the bytes written.
-    """
-    src = plan.source
-    x = src.read(start, stop)
+def _read_and_encode(plan: ArrayPlan, i: int, start: int, stop: int) -> tuple[bytes, dict]:
+    """Encode chunk ``i`` (samples ``[start, stop)``): the codec's bytes and the chunk's metadata but its
+    stored size. The metrics are measured on a decode of exactly these bytes."""
+    x = plan.source.read(start, stop)
     chunk = _pad_to_chunk(x, plan.chunks, edge=0 in plan.axes)
     data, sse, max_err = encode_and_measure(chunk, plan.settings, valid_rows=stop - start)
     psnr, rmse = _psnr_rmse(sse, x.size, plan.peak)
@@ -475,22 +475,30 @@ def encode_chunk_task(plan: ArrayPlan, root: Location, i: int, start: int, stop:
         raise DctchopError(f"{plan.name}: --psnr {target:g} is above what this data allows with "
                            f"{plan.settings.precision} (chunk {i} reaches {psnr:.2f} dB); ask for less")
     steps = read_header(data).steps
+    return data, {"chunk": i, "nbytes": x.nbytes, "sse": rmse * rmse * x.size, "psnr": psnr,
+                  "max_abs_error": max_err, "rmse": rmse,
+                  "step": float(np.min(steps)) if steps is not None else math.nan}
+
+
+def _write_encoded(root: Location, plan: ArrayPlan, data: bytes, result: dict) -> dict:
+    """Write an encoded chunk (after zstd and crc32c) and its metadata elements, each file whole; return
+    the chunk's metadata with its stored size."""
     stored = _stored_bytes(data)
-    ndim = len(src.shape)
-    meta = {"psnr": psnr, "max_abs_error": max_err, "rmse": rmse, "stored_bytes": len(stored),
-            "step": float(np.min(steps)) if steps is not None else math.nan}
+    result = {**result, "stored_bytes": len(stored)}
+    i, ndim = result["chunk"], len(plan.source.shape)
     files = {_chunk_key(plan.name, i, ndim): stored}
-    for key, value in meta.items():
-        element = np.asarray(value, dtype=np.dtype(META_FIELDS[key]).newbyteorder("<")).tobytes()
+    for key, dtype in META_FIELDS.items():
+        element = np.asarray(result[key], dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
         files[_chunk_key(f"{META_GROUP}/{plan.name}/{key}", i, ndim)] = element
     root.write_files(files)
-    return {"chunk": i, "nbytes": x.nbytes, "sse": rmse * rmse * x.size, **meta}
+    return result
 
 
 def encode_chunks_task(plan: ArrayPlan, root: Location, chunks: list[tuple[int, int, int]]) -> list[dict]:
-    """:func:`encode_chunk_task` for a run of ``(index, start, stop)`` chunks: one Dask task per ~64 MB of
-    input, so a terabyte makes about 16,000 tasks rather than 250,000 (and the plan is sent once per task)."""
-    return [encode_chunk_task(plan, root, *chunk) for chunk in chunks]
+    """Encode and write a run of ``(index, start, stop)`` chunks: one Dask task per ~64 MB of input, so a
+    terabyte makes about 16,000 tasks rather than 250,000 (and the plan is sent once per task).
+    Module-level and self-contained so it runs in any process."""
+    return [_write_encoded(root, plan, *_read_and_encode(plan, *chunk)) for chunk in chunks]
 
 
 def _flatten(batches: Iterator[list]) -> Iterator:
@@ -504,19 +512,18 @@ def _flatten(batches: Iterator[list]) -> Iterator:
 
 def _write_lossy(root: Location, plan: ArrayPlan, workers: int, scheduler: str | None,
                  progress: Callable[[int], None]) -> dict:
-    """Run one task per chunk (the arrays exist already) on local threads or on Dask."""
+    """Encode every chunk (the arrays exist already) on local threads or on Dask, and write its files."""
     ranges = _chunk_ranges(plan.source.shape[0], plan.chunks[0])
-    items = [(plan, root, i, s, e) for i, (s, e) in enumerate(ranges)]
+    items = [(i, s, e) for i, (s, e) in enumerate(ranges)]
     meta = {k: np.zeros(len(ranges), dtype=v) for k, v in META_FIELDS.items()}
     sse = 0.0
     if scheduler is None:
-        results = _bounded_map(encode_chunk_task, items, workers)
+        results = _encode_and_write(root, plan, items, workers)
     else:
         from dctchop.dask_runner import run_tasks
 
         per_task = max(1, DASK_TASK_BYTES // (math.prod(plan.chunks) * plan.source.dtype.itemsize))
-        runs = [(plan, root, [item[2:] for item in items[i : i + per_task]])
-                for i in range(0, len(items), per_task)]
+        runs = [(plan, root, items[i : i + per_task]) for i in range(0, len(items), per_task)]
         results = _flatten(run_tasks(encode_chunks_task, runs, scheduler))
     try:
         for r in results:
@@ -529,26 +536,38 @@ def _write_lossy(root: Location, plan: ArrayPlan, workers: int, scheduler: str |
     return {"sse": sse, "meta": meta}
 
 
-def _bounded_map(fn, items, workers: int) -> Iterator:
-    """``fn(*item)`` on ``workers`` threads with at most ``workers + 1`` items in flight (bounded memory)."""
-    if workers <= 1:
-        for item in items:
-            yield fn(*item)
-        return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-compress") as pool:
-        pending = set()
+def _encode_and_write(root: Location, plan: ArrayPlan, items: list[tuple[int, int, int]],
+                      workers: int) -> Iterator[dict]:
+    """Encode the chunks on ``workers`` threads while ``workers`` other threads zstd, checksum and write the
+    encoded ones (:func:`_write_encoded`): with one worker the second core does that part, and file creation,
+    a quarter of the run on some file systems, overlaps the encoding. Yield each chunk's metadata once its
+    files are written. Memory stays bounded: at most ``3 * workers`` chunks are in flight, and of those
+    only the ``workers`` being encoded hold their input; the rest hold nothing yet or their encoded bytes."""
+
+    def write(encoded) -> dict:
+        return _write_encoded(root, plan, *encoded.result())
+
+    with (ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-encode") as encoders,
+          ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-write") as writers):
+        pending = {}  # write future -> its encode future
         try:
             for item in items:
-                if len(pending) > workers:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                if len(pending) >= 3 * workers:
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
                     for f in done:
+                        del pending[f]
                         yield f.result()
-                pending.add(pool.submit(fn, *item))
-            for f in pending:
-                yield f.result()
+                encoded = encoders.submit(_read_and_encode, plan, *item)
+                pending[writers.submit(write, encoded)] = encoded
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    del pending[f]
+                    yield f.result()
         except BaseException:
-            for f in pending:
-                f.cancel()
+            for written, encoded in pending.items():
+                encoded.cancel()
+                written.cancel()
             raise
 
 
@@ -597,7 +616,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
         arrays = {}
         for plan in plans:
             if plan.source.dtype.kind == "f":
-                scan_float(plan)
+                scan_float(plan, workers)
             _create_lossy_arrays(group, plan)
             if plan.target.kind == "ratio":
                 overhead = _metadata_bytes(tmp, plan)

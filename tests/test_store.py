@@ -1,6 +1,8 @@
 """Library-level tests of the store writer: chunk files, metadata, streaming, atomic publish."""
 
 import json
+import threading
+import time
 
 import h5py
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from dctchop import store
 from dctchop.errors import DctchopError
 from dctchop.formats import open_source
 from dctchop.store import ZSTD_LEVEL, CompressOptions, Target, compress
@@ -84,3 +87,53 @@ def test_existing_output_replaced_only_when_asked(tmp_path, h5_images):
     compress(open_source(str(h5_images)), out, overwrite=True)
     assert zarr.open_group(str(out), mode="r").attrs["dctchop"]["arrays"]["images"]["target"]["kind"] == "psnr"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.h5", "out.zarr"]
+
+
+class _Stages:
+    """Stand-ins for the two stages of the local compress pipeline: they record what ran, and writing takes
+    a while, so the tests see how encoding and writing overlap."""
+
+    def __init__(self, monkeypatch, bad_chunk=None):
+        self.lock, self.encoding, self.most_encoding = threading.Lock(), 0, 0
+        self.started, self.written, self.bad_chunk = [], [], bad_chunk
+        monkeypatch.setattr(store, "_read_and_encode", self.encode)
+        monkeypatch.setattr(store, "_write_encoded", self.write)
+
+    def encode(self, plan, i, start, stop):
+        if i == self.bad_chunk:
+            raise DctchopError(f"chunk {i} is bad")
+        with self.lock:
+            self.encoding += 1
+            self.most_encoding = max(self.most_encoding, self.encoding)
+            self.started.append(i)
+        time.sleep(0.001)
+        with self.lock:
+            self.encoding -= 1
+        return b"x", {"chunk": i}
+
+    def write(self, root, plan, data, result):
+        time.sleep(0.002)
+        self.written.append(result["chunk"])
+        return result
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_encoding_and_writing_overlap_within_bounds(monkeypatch, workers):
+    """Every chunk is written once and before its metadata comes back, at most ``workers`` encodes run at
+    once, and at most ``3 * workers`` chunks are between the start of their encode and the end of their
+    write (bounded memory)."""
+    stages = _Stages(monkeypatch)
+    done = []
+    for result in store._encode_and_write(None, None, [(i, i, i + 1) for i in range(40)], workers):
+        assert result["chunk"] in stages.written
+        assert len(stages.started) - len(done) <= 3 * workers
+        done.append(result["chunk"])
+    assert sorted(done) == sorted(stages.written) == list(range(40))
+    assert stages.most_encoding <= workers
+
+
+def test_an_encode_error_stops_the_pipeline(monkeypatch):
+    stages = _Stages(monkeypatch, bad_chunk=5)
+    with pytest.raises(DctchopError, match="chunk 5"):
+        list(store._encode_and_write(None, None, [(i, i, i + 1) for i in range(100)], 2))
+    assert 5 not in stages.written and len(stages.written) < 100
