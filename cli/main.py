@@ -6,8 +6,11 @@ Exit codes: 0 success; 1 a problem with the input, output or settings (one-line 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import math
+import os
 import sys
 import traceback
 
@@ -239,3 +242,18 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"dctchop: internal error: {type(e).__name__}: {e}", err=True)
         sys.exit(EXIT_INTERNAL)
 
+
+def run() -> None:
+    """The console script: :func:`main`, then leave without tearing the interpreter down. Freeing numba's
+    and LLVM's objects one by one takes about 0.25 s at exit, a quarter of compressing a small file. Every
+    file is closed by then (writes go through ``with``), and the atexit handlers still run."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):  # a closed pipe (``dctchop inspect ... | head``)
+            stream.flush()
+    os._exit(code)

@@ -21,7 +21,7 @@ def test_wheel_layout_and_import(tmp_path):
     assert "dctchop/cli/__init__.py" in names and "dctchop/formats/__init__.py" in names
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "dctchop = dctchop.cli.main:main" in entry_points
+    assert "dctchop = dctchop.cli.main:run" in entry_points
     assert "[zarr.codecs]" in entry_points and "dctchop = dctchop.codec:DctChopCodec" in entry_points
 
     target = tmp_path / "site"
