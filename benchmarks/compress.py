@@ -1,10 +1,21 @@
 """End-to-end ``dctchop compress`` throughput and peak memory, next to ``cp`` and the kernel alone.
 
 Makes (once) a smooth float32 image stack of ``--size-gb`` as ``.npy``, reads it once so it sits in the page
-cache, then times ``cp`` of the file, ``dctchop compress`` with 1 and 2 workers (under ``/usr/bin/time -v``
-for the peak resident memory), the forward transform alone on the same chunks in this process, and (with
-the default settings) the codec's whole per-chunk work on chunks already in memory.
-MB/s are of input bytes (1 MB = 1e6 B).
+cache, then times ``cp`` of the file, ``dctchop compress`` with 1 and 2 workers in turn (under
+``/usr/bin/time -v`` for the peak resident memory), the forward transform alone on one chunk in this process,
+and (with the default settings) the store's whole codec pipeline on chunks already in memory. Every row
+but ``cp`` is the median of ``--repeats`` runs. MB/s are of input bytes (1 MB = 1e6 B).
+
+The codec-pipeline row is the kernel-only figure for the same settings: everything a chunk goes through on
+its way to the store (the dctchop codec with its --psnr search and its measuring decode, then zstd and
+crc32c), without what the end-to-end run adds: reading the input, creating the files, the metadata, and
+the start-up (about 1 s: imports, numba loading its kernels, the float scan for the PSNR peak).
+
+The stores are removed only at the end. On ext4 without a journal, as on our benchmark machines, creating
+a file first skips every inode freed in the last 60 to 360 seconds, one buffer-cache lookup each: right after
+removing a store of a few thousand files, each new file costs about 0.5 ms instead of about 30 us, and a
+run's time shifts by a second or more. Run it again only a few minutes after the last one (or after
+removing many files) to measure the steady state.
 
     .venv/bin/python benchmarks/compress.py --size-gb 2 [--dir /tmp/dctchop-bench] [-- extra compress options]
 """
@@ -15,6 +26,7 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +37,7 @@ import numpy as np
 
 from dctchop.codec import encode_and_measure
 from dctchop.formats import open_source
-from dctchop.store import CompressOptions, plan_array, scan_float
+from dctchop.store import CompressOptions, _stored_bytes, plan_array, scan_float
 from dctchop.transform import forward, make_plan
 
 IMAGE = (128, 256)
@@ -60,43 +72,50 @@ def timed(cmd: list[str]) -> tuple[float, float]:
     return seconds, rss_kb / 1024
 
 
-def kernel_only(path: Path, chunk_samples: int, threads: int) -> float:
-    """MB/s of the forward transform alone over the file's chunks (data already in memory per chunk)."""
+def kernel_only(path: Path, chunk_samples: int, threads: int, repeats: int) -> float:
+    """MB/s of the forward transform alone on one chunk in memory, the median of ``repeats`` timings."""
     data = np.load(path, mmap_mode="r")
     chunk = np.array(data[:chunk_samples])
     plan = make_plan(chunk.shape, (1, 2), 8, 8)
     forward(chunk, plan, threads)
-    t = time.perf_counter()
-    for _ in range(5):
-        forward(chunk, plan, threads)
-    return 5 * chunk.nbytes / 1e6 / (time.perf_counter() - t)
+    seconds = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(5):
+            forward(chunk, plan, threads)
+        seconds.append(time.perf_counter() - t)
+    return 5 * chunk.nbytes / 1e6 / statistics.median(seconds)
 
 
-def codec_only(path: Path, threads: int, n_chunks: int = 16) -> float:
-    """MB/s of the codec's own work on chunks already in memory, with the settings ``dctchop compress`` picks
-    by default: transform, step search, quantization, bit planes and the exact error check of each chunk
-    (:func:`dctchop.codec.encode_and_measure`), chunks shared among ``threads`` like ``--workers``. What the
-    end-to-end run adds on top is reading, zstd + crc32c, files and metadata."""
+def codec_only(path: Path, threads: int, repeats: int, n_chunks: int = 32) -> float:
+    """MB/s of the store's whole codec pipeline on chunks already in memory, with the settings ``dctchop
+    compress`` picks by default: the dctchop codec's transform, step search, quantization, bit planes and
+    exact error check (:func:`dctchop.codec.encode_and_measure`), then zstd and crc32c; chunks shared among
+    ``threads`` like ``--workers``; the median of ``repeats`` timings. What the end-to-end run adds on top is
+    reading the input, writing files and metadata, and the start-up."""
     source = open_source(str(path))
     plan = plan_array(source, source.lossy[0], CompressOptions())
     scan_float(plan)
     chunks = [plan.source.read(s, s + plan.chunks[0]) for s in range(0, n_chunks * plan.chunks[0], plan.chunks[0])]
-    encode_and_measure(chunks[0], plan.settings)
 
     def encode(chunk):
-        return encode_and_measure(chunk, plan.settings)
+        return _stored_bytes(encode_and_measure(chunk, plan.settings)[0])
 
+    encode(chunks[0])
+    seconds = []
     with ThreadPoolExecutor(threads) as pool:
-        t = time.perf_counter()
-        list(pool.map(encode, chunks))
-        seconds = time.perf_counter() - t
-    return sum(c.nbytes for c in chunks) / 1e6 / seconds
+        for _ in range(repeats):
+            t = time.perf_counter()
+            list(pool.map(encode, chunks))
+            seconds.append(time.perf_counter() - t)
+    return sum(c.nbytes for c in chunks) / 1e6 / statistics.median(seconds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/dctchop-bench"))
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each row; the tables give medians")
     parser.add_argument("extra", nargs="*", help="extra options for dctchop compress (after --)")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -108,34 +127,50 @@ def main() -> None:
     dctchop = str(Path(sys.executable).parent / "dctchop")
     chunk_samples = max(1, (4 << 20) // (4 * IMAGE[0] * IMAGE[1]))
 
-    rows = []
     copy = args.dir / "copy.npy"
     seconds, rss = timed(["cp", str(src), str(copy)])
     copy.unlink()
-    rows.append(("cp", seconds, rss))
-    for workers in (1, 2):
-        out = args.dir / "out.zarr"
-        shutil.rmtree(out, ignore_errors=True)
-        seconds, rss = timed([dctchop, "compress", str(src), str(out), "--quiet", "--workers", str(workers),
-                              *args.extra])
-        stored = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    rows = [("cp", [seconds], [rss])]
+    outputs = [(workers, args.dir / f"out-{k}-{workers}.zarr") for k in range(args.repeats) for workers in (1, 2)]
+    runs = {1: ([], []), 2: ([], [])}  # workers -> (seconds, peak RSS) of each run
+    try:
+        for _, out in outputs:
+            shutil.rmtree(out, ignore_errors=True)
+        for workers, out in outputs:  # 1 and 2 workers alternate
+            seconds, rss = timed([dctchop, "compress", str(src), str(out), "--quiet", "--workers", str(workers),
+                                  *args.extra])
+            runs[workers][0].append(seconds)
+            runs[workers][1].append(rss)
+        stored = sum(f.stat().st_size for f in outputs[0][1].rglob("*") if f.is_file())
+    finally:  # removed only now: see the module docstring
+        for _, out in outputs:
+            shutil.rmtree(out, ignore_errors=True)
+    for workers, (seconds, rss) in runs.items():
         rows.append((f"dctchop compress, {workers} worker(s), ratio {size / stored:.2f}", seconds, rss))
-        shutil.rmtree(out, ignore_errors=True)
 
     print(f"# dctchop compress end to end\n\ninput {src.name}: {size / 1e9:.2f} GB float32 {IMAGE} images, "
           f"in the page cache; options: {' '.join(args.extra) or '(defaults: --psnr 60)'}; "
-          f"{os.cpu_count()} CPUs\n")
+          f"{os.cpu_count()} CPUs; medians of {args.repeats} runs\n")
     print("| what | seconds | MB/s | peak RSS MB |\n|---|---|---|---|")
     for name, seconds, rss in rows:
-        print(f"| {name} | {seconds:.2f} | {size / 1e6 / seconds:.0f} | {rss:.0f} |")
-    for threads in (1, 2):
-        print(f"| forward kernel only, {threads} thread(s), block 8 keep 8 | | "
-              f"{kernel_only(src, chunk_samples, threads):.0f} | |")
+        median = statistics.median(seconds)
+        print(f"| {name} | {median:.2f} | {size / 1e6 / median:.0f} | {max(rss):.0f} |")
+    forward_mbs = {threads: kernel_only(src, chunk_samples, threads, args.repeats) for threads in (1, 2)}
+    for threads, mbs in forward_mbs.items():
+        print(f"| forward kernel only, {threads} thread(s), block 8 keep 8 | | {mbs:.0f} | |")
+    codec_mbs = {}
     if not args.extra:  # the codec row uses the default settings only
-        for threads in (1, 2):
-            print(f"| codec encode in memory (default settings), {threads} thread(s) | | "
-                  f"{codec_only(src, threads):.0f} | |")
-    print(f"\nchunk = {chunk_samples} images = {chunk_samples * 4 * IMAGE[0] * IMAGE[1] / 1e6:.1f} MB of input")
+        codec_mbs = {threads: codec_only(src, threads, args.repeats) for threads in (1, 2)}
+        for threads, mbs in codec_mbs.items():
+            print(f"| codec pipeline in memory (dctchop + zstd + crc32c, default settings), {threads} thread(s) | | "
+                  f"{mbs:.0f} | |")
+    print(f"\nchunk = {chunk_samples} images = {chunk_samples * 4 * IMAGE[0] * IMAGE[1] / 1e6:.1f} MB of input\n")
+    for workers, (seconds, _) in runs.items():
+        mbs = size / 1e6 / statistics.median(seconds)
+        against = [f"{mbs / forward_mbs[workers]:.0%} of the forward kernel"]
+        if codec_mbs:
+            against.insert(0, f"{mbs / codec_mbs[workers]:.0%} of the codec pipeline in memory")
+        print(f"end to end, {workers} worker(s): {', '.join(against)} on as many threads")
 
 
 if __name__ == "__main__":
