@@ -550,20 +550,21 @@ def _encode_and_write(root: Location, plan: ArrayPlan, items: list[tuple[int, in
     with (ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-encode") as encoders,
           ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-write") as writers):
         pending = {}  # write future -> its encode future
-        try:
-            for item in items:
-                if len(pending) >= 3 * workers:
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in done:
-                        del pending[f]
-                        yield f.result()
-                encoded = encoders.submit(_read_and_encode, plan, *item)
-                pending[writers.submit(write, encoded)] = encoded
-            while pending:
+
+        def finished(in_flight: int) -> Iterator[dict]:
+            """The metadata of finished chunks, until at most ``in_flight`` chunks are left in flight."""
+            while len(pending) > in_flight:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for f in done:
                     del pending[f]
                     yield f.result()
+
+        try:
+            for item in items:
+                yield from finished(3 * workers - 1)
+                encoded = encoders.submit(_read_and_encode, plan, *item)
+                pending[writers.submit(write, encoded)] = encoded
+            yield from finished(0)
         except BaseException:
             for written, encoded in pending.items():
                 encoded.cancel()
