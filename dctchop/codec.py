@@ -339,22 +339,22 @@ def _counted_rows(x: np.ndarray, axes: tuple[int, ...], valid_rows: int | None =
     return rows if rows.any() else np.ones(x.shape[0], dtype=bool)
 
 
-def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int) -> np.ndarray:
+def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int, out=None) -> np.ndarray:
     """Stored values -> data: dequantize into the coefficient image, inverse transform."""
     values = qz.numeric(stored, precision)
-    return _decode_slabs(plan, dtype, threads, lambda *args: qz.dequantize_into(values, steps, *args))
+    return _decode_slabs(plan, dtype, threads, lambda *args: qz.dequantize_into(values, steps, *args), out)
 
 
 SLAB_VALUES = 1 << 17
 
 
-def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill) -> np.ndarray:
+def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarray | None = None) -> np.ndarray:
     """Coefficients -> data one slab (:func:`dctchop.transform.slabs`) at a time, slabs shared among threads:
     a slab's values stay in cache from ``fill(first, seg_starts, seg_bands, values)`` (dequantized, storage
     order) through :func:`dctchop.transform.place` and the inverse passes, where the whole chunk's coefficients
     would stream through memory once per step."""
     dtype = np.dtype(dtype)
-    out = np.empty(plan.shape, dtype=dtype)
+    out = np.empty(plan.shape, dtype=dtype) if out is None else out
     parts = slabs(plan, SLAB_VALUES)
     inner_threads = threads if len(parts) == 1 else 1
 
@@ -574,17 +574,24 @@ def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> Stor
     return StoredChunk(plan, header.dtype, header.precision, stored, steps)
 
 
-def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, threads: int = 1) -> np.ndarray:
-    """Decode one chunk that must hold an array of ``shape`` and ``dtype``.
+def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, threads: int = 1,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Decode one chunk that must hold an array of ``shape`` and ``dtype``, into ``out`` when given (a
+    C-contiguous array of that shape and dtype: a loader reuses its chunk buffers, where fresh pages would
+    cost the kernel's zeroing of them).
 
     Raises :class:`CorruptChunkError` for anything that is not a valid chunk of that shape and dtype.
     Bit planes are unpacked straight into each slab's coefficients (no int array in between).
     """
     header, plan, steps, payload = _checked(data, shape, dtype)
+    if out is not None and (out.shape != plan.shape or out.dtype != header.dtype or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous {header.dtype}{list(plan.shape)} array, got "
+                         f"{out.dtype}{list(out.shape)}")
     if not header.bitplanes:
-        return _reconstruct(_plain_values(header, payload), steps, plan, header.precision, header.dtype, threads)
+        return _reconstruct(_plain_values(header, payload), steps, plan, header.precision, header.dtype, threads,
+                            out)
     planes = check_planes(payload, plan.order[1], qz.STORAGE_DTYPES[header.precision])
-    return _decode_slabs(plan, header.dtype, threads, lambda *args: planes.dequantize_into(steps, *args))
+    return _decode_slabs(plan, header.dtype, threads, lambda *args: planes.dequantize_into(steps, *args), out)
 
 
 # ---------------------------------------------------------------------------------------------- zarr codec

@@ -69,14 +69,16 @@ class _LossyArray:
         except CorruptChunkError as e:
             raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): {e}") from None
 
-    def decode(self, index: int) -> np.ndarray:
-        """Samples of chunk ``index`` (the edge chunk trimmed to the array), in the array's dtype."""
+    def decode(self, index: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Samples of chunk ``index`` (the edge chunk trimmed to the array), in the array's dtype; decoded
+        into ``out`` (an array of the chunk's shape and the array's dtype) when given and the chunk files
+        are read directly."""
         start, stop = _chunk_bounds(index, self.chunk_len, self.shape[0])
         if not self.direct:
             return np.asarray(self.array[start:stop])
         data = self.raw(index)
         try:
-            out = decode_chunk(data, self.chunk_shape, self.dtype)
+            out = decode_chunk(data, self.chunk_shape, self.dtype, out=out)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"array {self.name}: chunk {index}: {e}") from None
         return out[: stop - start]

@@ -366,6 +366,8 @@ class Loader:
             raise DctchopError("device decode needs arrays stored as dctchop chunk files; pass device_decode=False")
         self.epoch = 0
         self._recycled = _RecycledArrays(self.prefetch + 4)
+        # decoded chunks alive at once: the window ahead, those being decoded, those the queued batches need
+        self._chunk_buffers = _RecycledArrays(max(self.window, self.threads) + self.threads + self.prefetch + 2)
 
     # setup ---------------------------------------------------------------------------------------------
     def _choose_arrays(self, arrays) -> list[str]:
@@ -497,8 +499,11 @@ class Loader:
         for spec, view, fused in zip(self.specs, self._views, self._fused):
             if spec.lossy and self.device_decode:
                 loaded[spec.name] = view._reader.coded(c)
-            elif spec.lossy and not fused:
-                loaded[spec.name] = _prepare_host(view._reader.decode(c), spec)
+            elif spec.lossy:
+                reader = view._reader
+                buffer = self._chunk_buffers.get(reader.chunk_shape, reader.dtype) if reader.direct else None
+                x = reader.decode(c, out=buffer)
+                loaded[spec.name] = x if fused else _prepare_host(x, spec)
             else:
                 loaded[spec.name] = view._reader.decode(c)
         return loaded

@@ -167,6 +167,20 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
     np.testing.assert_array_equal(decode_chunk(data, shape, dtype, threads), expected)
 
 
+@pytest.mark.parametrize("precision", ["int16", "float16"])  # bit planes; plain stored values
+def test_decode_into_a_given_array(precision):
+    x = smooth_uint8_stack(n=20, h=16, w=24)
+    s = ChunkSettings(axes=(1, 2), block=(8, 8), keep=(6, 6), precision=precision)
+    data = encode_chunk(x, s)
+    out = np.full(x.shape, 7, np.uint8)
+    assert decode_chunk(data, x.shape, x.dtype, out=out) is out
+    np.testing.assert_array_equal(out, decode_chunk(data, x.shape, x.dtype))
+    for wrong in (np.empty(x.shape, np.int16), np.empty((19, 16, 24), np.uint8),
+                  np.empty(x.shape[::-1], np.uint8).T):
+        with pytest.raises(ValueError, match="C-contiguous"):
+            decode_chunk(data, x.shape, x.dtype, out=wrong)
+
+
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "float16", "float32", "float64"])
 def test_every_data_dtype_round_trips(dtype):
     x = smooth_uint8_stack(n=2, h=16, w=16).astype(dtype)

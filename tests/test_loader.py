@@ -184,6 +184,29 @@ def test_batch_arrays_are_reused_only_once_nothing_refers_to_them(image_store):
     assert len(pointers) <= loader.prefetch + 4 < 2 * len(loader)
 
 
+@pytest.mark.parametrize("dtype", [None, "float16"])  # converted while gathering; converted per chunk first
+def test_chunks_decode_into_reused_buffers_and_batches_stay_right(image_store, decoded, monkeypatch, dtype):
+    """Chunks decode into buffers that earlier chunks used (fresh pages cost the kernel's zeroing of them),
+    never into one that a batch still waiting to be gathered needs: every batch holds exactly its samples."""
+    import dctchop.dataset as dataset_module
+
+    buffers = []
+    decode = dataset_module.decode_chunk
+
+    def recording(data, shape, dtype, threads=1, out=None):
+        buffers.append(out.ctypes.data)
+        return decode(data, shape, dtype, threads, out=out)
+
+    monkeypatch.setattr(dataset_module, "decode_chunk", recording)
+    loader = dctchop.Loader(image_store, batch_size=50, seed=2, arrays=["images", "index"], dtype=dtype,
+                            threads=3, prefetch=1, window=2)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for x, index in loader:
+            np.testing.assert_array_equal(x, decoded[index].transpose(0, 3, 1, 2).astype(x.dtype))
+    assert len(buffers) == 3 * 10 and len(set(buffers)) < 15
+
+
 def test_default_batches_are_float32_channels_first_with_labels(image_store, decoded):
     loader = dctchop.Loader(image_store, batch_size=64, shuffle=False, drop_last=True)
     batches = collect(loader)
@@ -212,7 +235,7 @@ def test_each_chunk_is_decoded_once_per_epoch(image_store, monkeypatch):
 
     calls = []
     original = _LossyArray.decode
-    monkeypatch.setattr(_LossyArray, "decode", lambda self, c: calls.append(c) or original(self, c))
+    monkeypatch.setattr(_LossyArray, "decode", lambda self, c, out=None: calls.append(c) or original(self, c, out))
     loader = dctchop.Loader(image_store, batch_size=32, window=2, threads=2)
     for epoch in range(2):
         calls.clear()
