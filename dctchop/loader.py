@@ -230,10 +230,11 @@ def _prepare_host(x: np.ndarray, spec: OutputSpec) -> np.ndarray:
 
 
 class _RecycledArrays:
-    """Batch arrays handed out earlier, given out again once nothing but this pool refers to them.
+    """Arrays handed out earlier (batches; decoded chunks), given out again once nothing but this pool
+    refers to them.
 
-    A fresh array of a batch's size comes from the kernel as untouched pages, and faulting them in costs
-    about a quarter of decoding the batch (measured: 0.8 ms per 4 MB of float32 fields). A view, a torch
+    A fresh array of a batch's or a chunk's size comes from the kernel as untouched pages, and faulting them
+    in costs about a quarter of decoding them (measured: 0.8 ms per 4 MB of float32 fields). A view, a torch
     tensor made with ``torch.from_numpy``, or any other reference to an array keeps it out of the pool.
     """
 
