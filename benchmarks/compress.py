@@ -72,19 +72,28 @@ def timed(cmd: list[str]) -> tuple[float, float]:
     return seconds, rss_kb / 1024
 
 
+def median_seconds(run, repeats: int) -> float:
+    """The median of ``repeats`` timings of ``run()``."""
+    seconds = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - t)
+    return statistics.median(seconds)
+
+
 def kernel_only(path: Path, chunk_samples: int, threads: int, repeats: int) -> float:
     """MB/s of the forward transform alone on one chunk in memory, the median of ``repeats`` timings."""
     data = np.load(path, mmap_mode="r")
     chunk = np.array(data[:chunk_samples])
     plan = make_plan(chunk.shape, (1, 2), 8, 8)
     forward(chunk, plan, threads)
-    seconds = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+
+    def five():
         for _ in range(5):
             forward(chunk, plan, threads)
-        seconds.append(time.perf_counter() - t)
-    return 5 * chunk.nbytes / 1e6 / statistics.median(seconds)
+
+    return 5 * chunk.nbytes / 1e6 / median_seconds(five, repeats)
 
 
 def codec_only(path: Path, threads: int, repeats: int, n_chunks: int = 32) -> float:
@@ -102,13 +111,9 @@ def codec_only(path: Path, threads: int, repeats: int, n_chunks: int = 32) -> fl
         return _stored_bytes(encode_and_measure(chunk, plan.settings)[0])
 
     encode(chunks[0])
-    seconds = []
     with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            list(pool.map(encode, chunks))
-            seconds.append(time.perf_counter() - t)
-    return sum(c.nbytes for c in chunks) / 1e6 / statistics.median(seconds)
+        seconds = median_seconds(lambda: list(pool.map(encode, chunks)), repeats)
+    return sum(c.nbytes for c in chunks) / 1e6 / seconds
 
 
 def main() -> None:
