@@ -870,17 +870,16 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
         mat = p.matrix.astype(wdt)
         args = (mat, p.block_rows, lo, hi, is_int)
         if _is_rows3(p, n_inner):
-            call = (_rows3, (n_outer, 3), (n_outer, 3), (mat, lo, hi, is_int))
+            kernel, src_view, dst_view, args = _rows3, (n_outer, 3), (n_outer, 3), (mat, lo, hi, is_int)
         elif _is_rows8(p, n_inner):
-            call = (_inverse_rows8, (n_outer, kept), (n_outer, p.length), args)
+            kernel, src_view, dst_view = _inverse_rows8, (n_outer, kept), (n_outer, p.length)
         elif colour is not None:
-            call = (_inverse_tiled_rows3, (n_outer, kept, 3), (n_outer, p.length, 3), (colour, *args))
-            colour = None
+            kernel, src_view, dst_view = _inverse_tiled_rows3, (n_outer, kept, 3), (n_outer, p.length, 3)
+            args, colour = (colour, *args), None
         else:
             kernel = _inverse_tiled if n_inner < SHORT_INNER else _inverse_3d
-            call = (kernel, (n_outer, kept, n_inner), (n_outer, p.length, n_inner), args)
-        kernel, src_view, dst_view, kernel_args = call
-        calls.append((kernel, src_view, tuple(shape), dst_view, np.dtype(out_dtype), kernel_args))
+            src_view, dst_view = (n_outer, kept, n_inner), (n_outer, p.length, n_inner)
+        calls.append((kernel, src_view, tuple(shape), dst_view, np.dtype(out_dtype), args))
     return tuple(calls)
 
 
