@@ -8,12 +8,12 @@ epoch; shares are disjoint and together cover the data; a chunk is decoded by at
 at each boundary). Within a batch, samples are grouped by chunk so each group is one contiguous copy.
 
 Pipeline. Background threads read, check and decode chunks (numba kernels that release the GIL); one more
-thread gathers the samples of each batch into a contiguous array (one handed out before and no longer
-referenced anywhere when there is one, else a new one), converting them to the output
+thread gathers the samples of each batch into a contiguous array, converting them to the output
 layout, dtype and normalisation in the same pass (float32 output; other conversions are made on the whole
 chunk in the decoding thread). ``prefetch`` batches are built ahead while the training step runs, decoding
 runs up to ``window`` chunks ahead of the batches, and a decoded chunk is dropped after the last batch that
-uses it.
+uses it. Decoded chunks and batches go into arrays handed out before and no longer referenced anywhere
+(:class:`_RecycledArrays`) when there are some, else new ones.
 
 Device decode. With ``device=`` set, only the stored coefficients of each chunk cross to the device, where
 :mod:`dctchop.torch_decode` runs the inverse transform as batched matmuls; batches are gathered there.
