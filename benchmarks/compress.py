@@ -64,7 +64,7 @@ def warm(path: Path) -> None:
 def timed(cmd: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS in MB) of a command run under /usr/bin/time -v."""
     t = time.perf_counter()
-    run = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    run = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - t
     if run.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{run.stderr[-2000:]}")

@@ -75,15 +75,12 @@ def measure(chunk_dir: Path, repeats: int) -> dict:
     from dctchop.codec import decode_chunk, read_stored
     from dctchop.transform import inverse, scatter, work_dtype
 
-    meta = json.loads((chunk_dir / "chunks.json").read_text())
-    result = {}
-    for name, m in meta.items():
-        shape, dtype = tuple(m["shape"]), np.dtype(m["dtype"])
+    def stages(name: str, shape: tuple[int, ...], dtype: np.dtype) -> dict:
         data = (chunk_dir / f"{name}.dctchop").read_bytes()
         framed = (chunk_dir / f"{name}.zst").read_bytes()
         chunk = read_stored(data, shape, dtype)
         coefficients = scatter(chunk.stored.astype(work_dtype(dtype)), chunk.plan, work_dtype(dtype))
-        result[name] = {
+        return {
             "zstd": _median_ms(lambda: numcodecs.Zstd().decode(framed), repeats),
             "read_stored": _median_ms(lambda: read_stored(data, shape, dtype), repeats),
             "inverse": _median_ms(lambda: inverse(coefficients, chunk.plan, dtype, 1), repeats),
@@ -91,7 +88,9 @@ def measure(chunk_dir: Path, repeats: int) -> dict:
             "decode t2": _median_ms(lambda: decode_chunk(data, shape, dtype, 2), repeats),
             "mb": int(np.prod(shape)) * dtype.itemsize / 1e6,
         }
-    return result
+
+    meta = json.loads((chunk_dir / "chunks.json").read_text())
+    return {name: stages(name, tuple(m["shape"]), np.dtype(m["dtype"])) for name, m in meta.items()}
 
 
 def _child(source: Path, chunk_dir: Path, repeats: int) -> dict:

@@ -242,7 +242,7 @@ class Planes:
                            seg_bands, steps, out)
 
 
-_BITS_SET = np.array([bin(b).count("1") for b in range(256)], dtype=np.int64)  # set bits of each byte value
+_BITS_SET = np.array([b.bit_count() for b in range(256)], dtype=np.int64)  # set bits of each byte value
 
 
 def check_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> Planes:

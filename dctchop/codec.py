@@ -45,8 +45,18 @@ from zarr.core.common import parse_named_configuration
 from dctchop import quantize as qz
 from dctchop.bitplanes import check_planes, from_planes, to_planes
 from dctchop.errors import CorruptChunkError, DctchopError
-from dctchop.transform import (MASKS, TransformPlan, _pool, forward, gather, inverse, make_plan, place, slabs,
-                               work_dtype)
+from dctchop.transform import (
+    MASKS,
+    TransformPlan,
+    _pool,
+    forward,
+    gather,
+    inverse,
+    make_plan,
+    place,
+    slabs,
+    work_dtype,
+)
 
 if TYPE_CHECKING:
     from typing import Self

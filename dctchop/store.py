@@ -47,8 +47,8 @@ from dctchop.codec import (
     DctChopCodec,
     encode_and_measure,
     encode_coefficients,
-    transform_chunk,
     read_header,
+    transform_chunk,
 )
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.formats import Source, SourceArray

@@ -1,5 +1,7 @@
 """Bit-plane layout of quantized values: exact round trips and strict size checks."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -31,7 +33,7 @@ def reference_planes(q: np.ndarray, seg: np.ndarray) -> bytes:
     v = q.astype(np.int64)
     z = ((v << 1) ^ (v >> (bits - 1))) & ((1 << bits) - 1)
     masks, planes = [], []
-    for s, e in zip(seg[:-1], seg[1:]):
+    for s, e in itertools.pairwise(seg):
         m = int(np.bitwise_or.reduce(z[s:e])) if e > s else 0
         masks.append(m)
         padded = np.zeros(-(-(e - s) // 8) * 8, dtype=np.int64)
