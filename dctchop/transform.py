@@ -718,11 +718,16 @@ def _move(values, image, to_image, seg_starts, base, group_runs, blocks, block_s
                     values[k] = image[j]
 
 
+def _move_by_plan(values: np.ndarray, image: np.ndarray, to_image: bool, plan: TransformPlan) -> None:
+    """:func:`_move` between ``plan``'s storage order and its flat coefficient image."""
+    p = placement(plan)
+    _move(values, image, to_image, plan.order[1], p.base, p.group_runs, p.blocks, p.block_starts)
+
+
 def place(values: np.ndarray, plan: TransformPlan, out: np.ndarray) -> None:
     """Values in storage order -> their positions in the flat coefficient image ``out`` (other positions are
     left as they are)."""
-    p = placement(plan)
-    _move(values, out, True, plan.order[1], p.base, p.group_runs, p.blocks, p.block_starts)
+    _move_by_plan(values, out, True, plan)
 
 
 @dataclass(frozen=True)
@@ -887,9 +892,7 @@ def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:
     """Stored coefficients in band-major order (mask applied), as a 1-D array; read block by block (see
     :func:`_move`), 2-3x faster than band by band."""
     out = np.empty(plan.n_values, dtype=coefficients.dtype)
-    p = placement(plan)
-    _move(out, np.ascontiguousarray(coefficients).reshape(-1), False, plan.order[1], p.base, p.group_runs, p.blocks,
-          p.block_starts)
+    _move_by_plan(out, np.ascontiguousarray(coefficients).reshape(-1), False, plan)
     return out
 
 
