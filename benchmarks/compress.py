@@ -138,20 +138,20 @@ def main() -> None:
     copy = args.dir / "copy.npy"
     seconds, rss = timed(["cp", str(src), str(copy)])
     copy.unlink()
-    rows = [("cp", [seconds], [rss])]
+    rows = [("cp", [seconds], [rss], size)]  # (what, seconds and peak RSS of each run, bytes its MB/s are of)
     one_chunk = args.dir / "one-chunk.npy"
     np.save(one_chunk, np.load(src, mmap_mode="r")[:chunk_samples])
     one_chunk_mb = one_chunk.stat().st_size / 1e6
-    inputs = {1: src, 2: src, "start-up": one_chunk}  # what each kind of run compresses, with how many workers
-    outputs = [(kind, args.dir / f"out-{k}-{kind}.zarr") for k in range(args.repeats) for kind in inputs]
-    runs = {kind: ([], []) for kind in inputs}  # kind -> (seconds, peak RSS) of each run
+    jobs = {"1": (src, 1), "2": (src, 2), "start-up": (one_chunk, 1)}  # kind -> (input, workers)
+    outputs = [(kind, args.dir / f"out-{k}-{kind}.zarr") for k in range(args.repeats) for kind in jobs]
+    runs = {kind: ([], []) for kind in jobs}  # kind -> (seconds, peak RSS) of each run
     try:
         for _, out in outputs:
             shutil.rmtree(out, ignore_errors=True)
         for kind, out in outputs:  # 1 worker, 2 workers and the start-up alternate
-            workers = 1 if kind == "start-up" else kind
-            seconds, rss = timed([dctchop, "compress", str(inputs[kind]), str(out), "--quiet", "--workers",
-                                  str(workers), *args.extra])
+            path, workers = jobs[kind]
+            seconds, rss = timed([dctchop, "compress", str(path), str(out), "--quiet", "--workers", str(workers),
+                                  *args.extra])
             runs[kind][0].append(seconds)
             runs[kind][1].append(rss)
         stored = sum(f.stat().st_size for f in outputs[0][1].rglob("*") if f.is_file())
@@ -159,18 +159,17 @@ def main() -> None:
         for _, out in outputs:
             shutil.rmtree(out, ignore_errors=True)
         one_chunk.unlink()
-    for kind, (seconds, rss) in runs.items():
-        name = (f"start-up: dctchop compress of one chunk ({one_chunk_mb:.1f} MB)"
-                if kind == "start-up" else f"dctchop compress, {kind} worker(s), ratio {size / stored:.2f}")
-        rows.append((name, seconds, rss))
+    for workers in (1, 2):
+        rows.append((f"dctchop compress, {workers} worker(s), ratio {size / stored:.2f}", *runs[str(workers)], size))
+    rows.append((f"start-up: dctchop compress of one chunk ({one_chunk_mb:.1f} MB)", *runs["start-up"], None))
 
     print(f"# dctchop compress end to end\n\ninput {src.name}: {size / 1e9:.2f} GB float32 {IMAGE} images, "
           f"in the page cache; options: {' '.join(args.extra) or '(defaults: --psnr 60)'}; "
           f"{os.cpu_count()} CPUs; medians of {args.repeats} runs\n")
     print("| what | seconds | MB/s | peak RSS MB |\n|---|---|---|---|")
-    for name, seconds, rss in rows:
+    for name, seconds, rss, nbytes in rows:
         median = statistics.median(seconds)
-        mbs = "" if name.startswith("start-up") else f"{size / 1e6 / median:.0f}"
+        mbs = "" if nbytes is None else f"{nbytes / 1e6 / median:.0f}"
         print(f"| {name} | {median:.2f} | {mbs} | {max(rss):.0f} |")
     forward_mbs = {threads: kernel_only(src, chunk_samples, threads, args.repeats) for threads in (1, 2)}
     for threads, mbs in forward_mbs.items():
@@ -184,7 +183,7 @@ def main() -> None:
     print(f"\nchunk = {chunk_samples} images = {chunk_samples * 4 * IMAGE[0] * IMAGE[1] / 1e6:.1f} MB of input\n")
     start_up = statistics.median(runs["start-up"][0])
     for workers in (1, 2):
-        seconds = statistics.median(runs[workers][0])
+        seconds = statistics.median(runs[str(workers)][0])
         mbs, settled = size / 1e6 / seconds, size / 1e6 / (seconds - start_up)
         against = [f"{mbs / forward_mbs[workers]:.0%} of the forward kernel"]
         if codec_mbs:
