@@ -100,15 +100,16 @@ def kernel_only(path: Path, chunk_samples: int, threads: int, repeats: int) -> f
 
 
 def codec_only(path: Path, threads: int, repeats: int, n_chunks: int = 32) -> float:
-    """MB/s of the store's whole codec pipeline on chunks already in memory, with the settings ``dctchop
-    compress`` picks by default: the dctchop codec's transform, step search, quantization, bit planes and
-    exact error check (:func:`dctchop.codec.encode_and_measure`), then zstd and crc32c; chunks shared among
-    ``threads`` like ``--workers``; the median of ``repeats`` timings. What the end-to-end run adds on top is
-    reading the input, writing files and metadata, and the start-up."""
+    """MB/s of the store's whole codec pipeline on (up to ``n_chunks``) chunks already in memory, with the
+    settings ``dctchop compress`` picks by default: the dctchop codec's transform, step search, quantization,
+    bit planes and exact error check (:func:`dctchop.codec.encode_and_measure`), then zstd and crc32c; chunks
+    shared among ``threads`` like ``--workers``; the median of ``repeats`` timings. What the end-to-end run
+    adds on top is reading the input, writing files and metadata, and the start-up."""
     source = open_source(str(path))
     plan = plan_array(source, source.lossy[0], CompressOptions())
     scan_float(plan)
-    chunks = [plan.source.read(s, s + plan.chunks[0]) for s in range(0, n_chunks * plan.chunks[0], plan.chunks[0])]
+    whole = range(0, plan.source.shape[0] - plan.chunks[0] + 1, plan.chunks[0])  # starts of the full chunks
+    chunks = [plan.source.read(s, s + plan.chunks[0]) for s in whole[:n_chunks]]
 
     def encode(chunk):
         return _stored_bytes(encode_and_measure(chunk, plan.settings)[0])
