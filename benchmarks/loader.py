@@ -12,8 +12,9 @@ epoch) and the same output (contiguous float32 batches, channels-first and norma
   over the set reaches the dctchop store's, decoded per sample and converted, on 1 and 2 threads;
 * ``host stage of device decode``: only what device decode leaves to the CPU (read, crc32c, zstd, header
   and payload checks) for every chunk, on 1 and 2 threads: the ceiling of the loader with a GPU;
-* with CUDA: the loader with ``device="cuda"`` (only coefficients cross; the inverse runs as matmuls), and
-  the device decoder alone on coefficients already on the GPU (``decoder`` rows); the same decoder on CPU
+* with CUDA: the loader with ``device="cuda"`` (only coefficients cross; the inverse runs there), and the
+  device decoder alone on coefficients already on the GPU (``decoder`` rows): the fused Triton kernel at
+  torch's default float32 precision and with TF32 allowed, and the matmul path; the matmul decoder on CPU
   torch is always shown for reference.
 
 Data: the bundled 32x32 RGB sample tiled to ``--images`` images (uint8 NHWC), and ``--fields`` float32
@@ -174,11 +175,16 @@ def loader_run(store: Path, batch_size: int, threads: int, kw: dict):
     return run
 
 
-def decoder_rate(store: Path, device: str, min_bytes: float, repeats: int) -> float:
-    """GB/s of decoded float output of the device decoder alone, coefficients already on the device."""
+def decoder_rate(store: Path, device: str, min_bytes: float, repeats: int, fused: bool = True,
+                 precision: str = "highest") -> float:
+    """GB/s of decoded float output of the device decoder alone, coefficients already on the device.
+
+    ``fused=False`` times the matmul path on a CUDA device too; ``precision`` is torch's float32 matmul
+    precision for the run.
+    """
     import torch
 
-    from dctchop.torch_decode import decoder_for
+    from dctchop.torch_decode import DeviceDecoder
 
     ds = dctchop.open(store)
     reader = ds.main._reader
@@ -186,17 +192,24 @@ def decoder_rate(store: Path, device: str, min_bytes: float, repeats: int) -> fl
     per_chunk = math.prod(coded[0].plan.shape) * 4
     copies = max(1, math.ceil(min_bytes / (per_chunk * len(coded))))
     coded = coded * copies
-    decoder = decoder_for(coded[0].plan, coded[0].dtype, torch.device(device))
+    decoder = DeviceDecoder(coded[0].plan, coded[0].dtype, torch.device(device))
+    if not fused:
+        decoder._fused = None  # the fused kernel's tables: without them the matmul path decodes
     stored, steps = decoder.upload(coded)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    decoder(stored, steps)
-    sync()
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = decoder(stored, steps)
+    default = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        decoder(stored, steps)
         sync()
-        best = min(best, time.perf_counter() - t)
+        best = math.inf
+        for _ in range(repeats):
+            t = time.perf_counter()
+            out = decoder(stored, steps)
+            sync()
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_float32_matmul_precision(default)
     return out.numel() * out.element_size() / best / 1e9
 
 
@@ -254,8 +267,10 @@ def bench_kind(kind: str, d: dict, args, torch, cuda: bool) -> list[dict]:
         for threads in args.threads:
             run = loader_run(d["store"], args.batch_size, threads, {**kw, "device": "cuda"})
             add("dctchop device=cuda", threads, *best_of(run, args.repeats), d["ratio"], d["psnr"])
-        rows.append({"data": kind, "path": "decoder on cuda (coefficients resident)", "threads": "-",
-                     "gbs_out": decoder_rate(d["store"], "cuda", 4e9, args.repeats)})
+        for label, fused, precision in (("fused kernel", True, "highest"), ("fused kernel, TF32", True, "high"),
+                                        ("matmul path", False, "highest")):
+            rows.append({"data": kind, "path": f"decoder on cuda, {label} (coefficients resident)", "threads": "-",
+                         "gbs_out": decoder_rate(d["store"], "cuda", 4e9, args.repeats, fused, precision)})
     if torch is not None:
         rows.append({"data": kind, "path": "decoder on cpu torch (reference)", "threads": torch.get_num_threads(),
                      "gbs_out": decoder_rate(d["store"], "cpu", 2e8, 2)})

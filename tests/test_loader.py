@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import math
 import runpy
 import subprocess
 import sys
@@ -27,6 +28,7 @@ try:
 except ImportError:  # the numpy paths are tested without torch; the torch ones are skipped
     torch = None
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+needs_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="no CUDA device")
 
 ROOT = Path(__file__).resolve().parents[1]
 N_IMAGES = 600
@@ -360,34 +362,88 @@ def _chunks_to_check():
                                      ChunkSettings((0,), (8,), (5,), "square", "bfloat16"))
 
 
-@needs_torch
-@pytest.mark.parametrize("name, data", list(_chunks_to_check()), ids=lambda v: v if isinstance(v, str) else "")
-def test_device_decode_equals_the_numba_path(name, data):
-    header = read_header(data)
-    ref = decode_chunk(data, header.shape, header.dtype)
-    from dctchop.torch_decode import decode_on_device
-
-    got = decode_on_device([read_stored(data, header.shape, header.dtype)] * 2, "cpu")
-    assert got.shape == (2, *header.shape)
-    got = got[1].numpy()
-    if header.dtype.kind in "iu":
+def _assert_decodes_alike(got: np.ndarray, ref: np.ndarray) -> None:
+    """Device decode against the numba path: equal up to float32 summation order."""
+    if ref.dtype.kind in "iu":
         # both round floor(v + 0.5) of a float32 sum; summation order may move a value across .5 rarely
         diff = np.abs(got.astype(np.int64) - ref.astype(np.int64))
         assert diff.max() <= 1 and np.count_nonzero(diff) <= max(1, ref.size // 100)
     else:
-        tol = 1e-5 * float(np.abs(ref.astype(np.float64)).max()) + (1e-3 if header.dtype == np.float16 else 0)
+        tol = 1e-5 * float(np.abs(ref.astype(np.float64)).max()) + (1e-3 if ref.dtype == np.float16 else 0)
         np.testing.assert_allclose(got, ref.astype(got.dtype), rtol=0, atol=tol)
 
 
 @needs_torch
-def test_device_loader_equals_host_loader(image_store, field_store):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("name, data", list(_chunks_to_check()), ids=lambda v: v if isinstance(v, str) else "")
+def test_device_decode_equals_the_numba_path(name, data, device):
+    """On CUDA with Triton this checks the fused kernel, elsewhere the matmul path."""
+    header = read_header(data)
+    ref = decode_chunk(data, header.shape, header.dtype)
+    from dctchop.torch_decode import decode_on_device
+
+    got = decode_on_device([read_stored(data, header.shape, header.dtype)] * 2, device)
+    assert got.shape == (2, *header.shape)
+    _assert_decodes_alike(got[1].cpu().numpy(), ref)
+
+
+def _emulate_fused_kernel(groups, stored: np.ndarray, steps: np.ndarray, size: int) -> np.ndarray:
+    """What dctchop.cuda_kernel computes from the tables, in numpy: checks the tables without a GPU.
+    Also checks that the groups write every sample of the chunk exactly once."""
+    out, written = np.zeros(size), np.zeros(size, np.int64)
+    for g in groups:
+        rows, step_index, first = g.rows.numpy(), g.step_index.numpy(), g.first_rows.numpy()
+        blocks = np.arange(g.n_blocks)
+        for zp in range(g.first_width):
+            spread = np.zeros((g.n_blocks, g.rows_pad))
+            for z in range(g.n_first_bands):
+                kept = rows[z] >= 0
+                values = stored[g.start + rows[z][kept][:, None] * g.n_blocks + blocks]
+                spread[:, kept] += (values * (steps[step_index[z][kept]] * first[z, zp])[:, None]).T
+            res = spread @ g.rest_basis.numpy()
+            where = g.sample_off.numpy()[zp]
+            at = g.block_off.numpy()[:, None] + where[where >= 0]
+            out[at] = res[:, where >= 0]
+            np.add.at(written, at, 1)
+    assert np.all(written == 1)
+    return out
+
+
+@needs_torch
+@pytest.mark.parametrize("name, data", list(_chunks_to_check()), ids=lambda v: v if isinstance(v, str) else "")
+def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
+    from dctchop.cuda_decode import fused_group
+    from dctchop.torch_decode import block_groups
+
+    header = read_header(data)
+    coded = read_stored(data, header.shape, header.dtype)
+    groups = [fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)]
+    stored = coded.stored
+    if coded.precision == "bfloat16":  # stored as the top 16 bits of float32
+        stored = (stored.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    got = _emulate_fused_kernel(groups, stored.astype(np.float64), coded.steps.astype(np.float64),
+                                math.prod(header.shape)).reshape(header.shape)
+    ref = decode_chunk(data, header.shape, header.dtype)
+    if ref.dtype.kind in "iu":
+        info = np.iinfo(ref.dtype)
+        got = np.clip(np.floor(got + 0.5), info.min, info.max)
+    elif ref.dtype == np.float16:
+        got = got.astype(np.float16)
+    _assert_decodes_alike(got.astype(np.float32), ref)
+
+
+@needs_torch
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_device_loader_equals_host_loader(image_store, field_store, device):
     for store, kw in ((image_store, {"mean": [120, 110, 100], "std": 50}), (field_store, {})):
         host = dctchop.Loader(store, batch_size=40, seed=4, output="torch", **kw)
-        device = dctchop.Loader(store, batch_size=40, seed=4, device="cpu", **kw)
-        for a, b in zip(host, device, strict=True):
+        on_device = dctchop.Loader(store, batch_size=40, seed=4, device=device, **kw)
+        for a, b in zip(host, on_device, strict=True):
             a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
             for u, v in zip(a, b, strict=True):
-                assert u.shape == v.shape and u.dtype == v.dtype and v.is_contiguous()
+                assert v.device.type == device and v.is_contiguous()
+                v = v.cpu()
+                assert u.shape == v.shape and u.dtype == v.dtype
                 torch.testing.assert_close(u, v, rtol=0, atol=1e-4 * float(u.abs().max()) + 0.03)
 
 
