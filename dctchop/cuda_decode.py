@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dctchop.torch_decode import basis_row
 from dctchop.transform import TransformPlan, dct_matrix
 
 REST_PER_PROGRAM = 64  # BR: rest-of-block positions per program, at most (BN is half of it, at least 16)
@@ -89,10 +90,7 @@ def fused_group(plan: TransformPlan, group, device: torch.device) -> FusedGroup:
     matrices = [dct_matrix(w) for w in widths]
     rest_basis = np.zeros((rows_pad, rest_pad), np.float32)
     for j, rb in enumerate(rest_bands):
-        outer = np.ones(())
-        for d, u in enumerate(rb, start=1):
-            outer = np.multiply.outer(outer, matrices[d][u])
-        rest_basis[j, :rest_width] = outer.ravel()
+        rest_basis[j, :rest_width] = basis_row(matrices[1:], rb)
     first_rows = matrices[0][:n_first].astype(np.float32)
 
     strides = np.cumprod((1, *plan.shape[::-1]))[-2::-1]  # C-order element strides of the chunk

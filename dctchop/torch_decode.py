@@ -89,6 +89,15 @@ class BlockGroup:
         return int(self.band_index.size)
 
 
+def basis_row(matrices, band) -> np.ndarray:
+    """Where band ``band`` of a block puts its coefficient: the outer product of row ``band[d]`` of each
+    axis' DCT matrix ``matrices[d]``, flattened in C order over the block."""
+    outer = np.ones(())
+    for matrix, b in zip(matrices, band, strict=True):
+        outer = np.multiply.outer(outer, matrix[b])
+    return outer.ravel()
+
+
 @lru_cache(maxsize=32)
 def _block_groups(shape, axes, block, keep, mask) -> tuple[BlockGroup, ...]:
     plan = make_plan(shape, axes, block, keep, mask)
@@ -107,12 +116,7 @@ def _block_groups(shape, axes, block, keep, mask) -> tuple[BlockGroup, ...]:
         bands = [u for u, b in enumerate(plan.bands)
                  if all(b[d] < keeps[d] for d in range(len(axes))) and (mask != "triangle" or in_triangle(b, keeps))]
         rows = [dct_matrix(w) for w in widths]
-        basis = np.empty((len(bands), math.prod(widths)))
-        for r, u in enumerate(bands):
-            outer = np.ones(())
-            for d, b in enumerate(plan.bands[u]):
-                outer = np.multiply.outer(outer, rows[d][b])
-            basis[r] = outer.ravel()
+        basis = np.array([basis_row(rows, plan.bands[u]) for u in bands]).reshape(len(bands), math.prod(widths))
         grid = list(shape)
         region = [slice(None)] * len(shape)
         for d, a in enumerate(axes):

@@ -17,6 +17,7 @@ import pytest
 import zarr
 
 import dctchop
+from dctchop import quantize as qz
 from dctchop.codec import ChunkSettings, decode_chunk, encode_chunk, read_header, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.formats import open_source
@@ -418,9 +419,7 @@ def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
     header = read_header(data)
     coded = read_stored(data, header.shape, header.dtype)
     groups = [fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)]
-    stored = coded.stored
-    if coded.precision == "bfloat16":  # stored as the top 16 bits of float32
-        stored = (stored.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    stored = qz.numeric(coded.stored, coded.precision)
     got = _emulate_fused_kernel(groups, stored.astype(np.float64), coded.steps.astype(np.float64),
                                 math.prod(header.shape)).reshape(header.shape)
     ref = decode_chunk(data, header.shape, header.dtype)
