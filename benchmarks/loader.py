@@ -11,7 +11,8 @@ epoch) and the same output (contiguous float32 batches, channels-first and norma
 * ``jpeg``: images only, every sample a separate JPEG (simplejpeg, 4:4:4) at the lowest quality whose PSNR
   over the set reaches the dctchop store's, decoded per sample and converted, on 1 and 2 threads;
 * ``host stage of device decode``: only what device decode leaves to the CPU (read, crc32c, zstd, header
-  and payload checks) for every chunk, on 1 and 2 threads: the ceiling of the loader with a GPU;
+  and payload checks, and with torch the copy into pinned memory) for every chunk, on 1 and 2 threads: the
+  ceiling of the loader with a GPU;
 * with CUDA: the loader with ``device="cuda"`` (only coefficients cross; the inverse runs there), and the
   device decoder alone on coefficients already on the GPU (``decoder`` rows): the fused Triton kernel at
   torch's default float32 precision and with TF32 allowed, and the matmul path; the matmul decoder on CPU
@@ -184,7 +185,7 @@ def decoder_rate(store: Path, device: str, min_bytes: float, repeats: int, fused
     """
     import torch
 
-    from dctchop.torch_decode import DeviceDecoder
+    from dctchop.torch_decode import DeviceDecoder, stage
 
     ds = dctchop.open(store)
     reader = ds.main._reader
@@ -195,7 +196,7 @@ def decoder_rate(store: Path, device: str, min_bytes: float, repeats: int, fused
     decoder = DeviceDecoder(coded[0].plan, coded[0].dtype, torch.device(device))
     if not fused:
         decoder._fused = None  # the fused kernel's tables: without them the matmul path decodes
-    stored, steps = decoder.upload(coded)
+    stored, steps = decoder.upload([stage(c, decoder.device) for c in coded])
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     default = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
@@ -232,11 +233,18 @@ def bench_kind(kind: str, d: dict, args, torch, cuda: bool) -> list[dict]:
     def batches_of(make, threads):  # a baseline epoch: the loader's order, batches built on `threads` threads
         return lambda epoch: _run_batches(make, order_loader.indices(epoch), args.batch_size, threads)
 
-    def host_stage(threads):  # what device decode leaves to the CPU: every chunk read, checked, unpacked
+    def host_stage(threads):  # what device decode leaves to the CPU: every chunk read, checked, unpacked, staged
+        def load(c):
+            coded = ds.main._reader.coded(c)
+            if torch is not None:
+                from dctchop.torch_decode import stage
+
+                stage(coded, "cuda" if cuda else "cpu")
+
         def run(epoch):
             chunks = dict.fromkeys((order_loader.indices(epoch) // ds.chunk_len).tolist())
             with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(ds.main._reader.coded, chunks))
+                list(pool.map(load, chunks))
             return out_bytes
         return run
 

@@ -16,7 +16,9 @@ uses it. Decoded chunks and batches go into arrays handed out before and no long
 (:class:`_RecycledArrays`) when there are some, else new ones.
 
 Device decode. With ``device=`` set, only the stored coefficients of each chunk cross to the device, where
-:mod:`dctchop.torch_decode` runs the inverse transform as batched matmuls; batches are gathered there.
+:mod:`dctchop.torch_decode` runs the inverse transform; batches are gathered there. The decoding threads
+read the chunks and stage their coefficients in pinned memory; the batch thread only launches copies and
+device work.
 """
 
 from __future__ import annotations
@@ -494,12 +496,14 @@ class Loader:
             batch_pool.shutdown(wait=False, cancel_futures=True)
 
     def _load_chunk(self, c: int) -> dict:
-        """Runs in a decoding thread: chunk ``c`` of every array, prepared for gathering (or still coded for
+        """Runs in a decoding thread: chunk ``c`` of every array, prepared for gathering (or staged for
         device decode)."""
         loaded = {}
         for spec, view, fused in zip(self.specs, self._views, self._fused):
             if spec.lossy and self.device_decode:
-                loaded[spec.name] = view._reader.coded(c)
+                from dctchop.torch_decode import stage
+
+                loaded[spec.name] = stage(view._reader.coded(c), self.device)
             elif spec.lossy:
                 reader = view._reader
                 buffer = self._chunk_buffers.get(reader.chunk_shape, reader.dtype) if reader.direct else None

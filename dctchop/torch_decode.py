@@ -33,8 +33,8 @@ from dctchop.codec import StoredChunk
 from dctchop.errors import DctchopError
 from dctchop.transform import TransformPlan, dct_matrix, in_triangle, make_plan, work_dtype
 
-__all__ = ["BlockGroup", "DeviceDecoder", "DeviceStage", "TorchDataset", "block_groups", "decode_on_device",
-           "resolve_device"]
+__all__ = ["BlockGroup", "DeviceDecoder", "DeviceStage", "StagedChunk", "TorchDataset", "block_groups",
+           "decode_on_device", "resolve_device", "stage"]
 
 _STORAGE_TORCH = {"int8": torch.int8, "int16": torch.int16, "float16": torch.float16, "float32": torch.float32,
                   "bfloat16": torch.int16}  # bfloat16 bits travel as int16 and are reinterpreted on the device
@@ -143,6 +143,34 @@ def block_groups(plan: TransformPlan) -> tuple[BlockGroup, ...]:
 # ---------------------------------------------------------------------------------------------- decoder
 
 
+@dataclass(frozen=True)
+class StagedChunk:
+    """A coded chunk whose stored values and steps sit in host tensors, pinned when bound for a GPU: crossing
+    is then one asynchronous copy each. The loader stages chunks in its decoding threads, which keeps the
+    copy into pinned memory (milliseconds for a chunk of a few MB) off the thread that assembles batches."""
+
+    plan: TransformPlan
+    dtype: np.dtype
+    precision: str
+    stored: torch.Tensor = field(repr=False)  # (n_values,) in the storage dtype (bfloat16 bits as int16)
+    steps: torch.Tensor = field(repr=False)  # (n_bands,) in the work dtype
+
+
+def _work_dtype(dtype) -> torch.dtype:
+    """Decoding works in float64 for float64 data, else float32 (like the numba path)."""
+    return torch.float64 if work_dtype(np.dtype(dtype)) == np.float64 else torch.float32
+
+
+def stage(chunk: StoredChunk, device: torch.device) -> StagedChunk:
+    """``chunk``'s stored values and steps copied into host tensors for ``device`` (see :class:`StagedChunk`)."""
+    pin = torch.device(device).type == "cuda"
+    stored = torch.empty(chunk.stored.size, dtype=_STORAGE_TORCH[chunk.precision], pin_memory=pin)
+    host = stored.numpy()
+    host[:] = chunk.stored.view(host.dtype)
+    steps = torch.tensor(chunk.steps, dtype=_work_dtype(chunk.dtype))
+    return StagedChunk(chunk.plan, chunk.dtype, chunk.precision, stored, steps.pin_memory() if pin else steps)
+
+
 class DeviceDecoder:
     """Inverse transform of stacked chunks of one plan on a torch device (see module docs).
 
@@ -158,7 +186,7 @@ class DeviceDecoder:
 
     def __init__(self, plan: TransformPlan, dtype, device: torch.device) -> None:
         self.plan, self.dtype, self.device = plan, np.dtype(dtype), torch.device(device)
-        self.work = torch.float64 if work_dtype(self.dtype) == np.float64 else torch.float32
+        self.work = _work_dtype(self.dtype)
         self.groups = block_groups(plan)
         self._basis = [torch.as_tensor(g.basis, dtype=self.work, device=self.device) for g in self.groups]
         self._bands = [torch.as_tensor(g.band_index, device=self.device) for g in self.groups]
@@ -180,26 +208,20 @@ class DeviceDecoder:
             self._clip = None
         self._fused = _fused_groups(plan, self.groups, self.device) if self.work == torch.float32 else None
 
-    def upload(self, chunks: list[StoredChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored values ``(n, n_values)`` and steps ``(n, n_bands)`` of ``chunks`` on the device: only these cross.
-
-        From pinned host memory, asynchronously, when the device is a GPU.
-        """
+    def upload(self, chunks: list[StagedChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored values ``(n, n_values)`` and steps ``(n, n_bands)`` of ``chunks`` on the device: only these cross,
+        one asynchronous copy each from pinned memory when the device is a GPU."""
         precision = chunks[0].precision
         if any(c.precision != precision or plan_key(c.plan) != plan_key(self.plan) for c in chunks):
             raise DctchopError("chunks decoded together must share one plan and precision")
-        pin = self.device.type == "cuda"
-        stored = torch.empty((len(chunks), self.plan.n_values), dtype=_STORAGE_TORCH[precision], pin_memory=pin)
-        view = stored.numpy()
+        stored = torch.empty((len(chunks), self.plan.n_values), dtype=_STORAGE_TORCH[precision], device=self.device)
+        steps = torch.empty((len(chunks), len(self.plan.bands)), dtype=self.work, device=self.device)
         for i, c in enumerate(chunks):
-            view[i] = c.stored.view(view.dtype)
-        steps = torch.from_numpy(np.stack([c.steps for c in chunks]))
-        if pin:
-            steps = steps.pin_memory()
-        stored = stored.to(self.device, non_blocking=True)
+            stored[i].copy_(c.stored, non_blocking=True)
+            steps[i].copy_(c.steps, non_blocking=True)
         if precision == "bfloat16":
             stored = stored.view(torch.bfloat16)
-        return stored, steps.to(self.device, dtype=self.work, non_blocking=True)
+        return stored, steps
 
     def __call__(self, stored: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` steps into ``(n, *chunk_shape)``."""
@@ -226,7 +248,7 @@ class DeviceDecoder:
             out = out.to(torch.float16).to(self.work)
         return out
 
-    def decode(self, chunks: list[StoredChunk]) -> torch.Tensor:
+    def decode(self, chunks: list[StagedChunk]) -> torch.Tensor:
         """Upload and decode ``chunks`` (one plan): ``(len(chunks), *chunk_shape)`` on the device."""
         return self(*self.upload(chunks))
 
@@ -260,8 +282,8 @@ def decoder_for(plan: TransformPlan, dtype, device) -> DeviceDecoder:
     return _decoder(plan_key(plan), str(np.dtype(dtype)), str(device))
 
 
-def decode_on_device(chunks: list[StoredChunk], device) -> torch.Tensor:
-    """Decode coded chunks on ``device``: ``(len(chunks), *chunk_shape)``; chunks that share a plan and a
+def decode_on_device(chunks: list[StagedChunk], device) -> torch.Tensor:
+    """Decode staged chunks on ``device``: ``(len(chunks), *chunk_shape)``; chunks that share a plan and a
     precision (normally all of them) are decoded in one batched call."""
     groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(chunks):

@@ -381,9 +381,9 @@ def test_device_decode_equals_the_numba_path(name, data, device):
     """On CUDA with Triton this checks the fused kernel, elsewhere the matmul path."""
     header = read_header(data)
     ref = decode_chunk(data, header.shape, header.dtype)
-    from dctchop.torch_decode import decode_on_device
+    from dctchop.torch_decode import decode_on_device, stage
 
-    got = decode_on_device([read_stored(data, header.shape, header.dtype)] * 2, device)
+    got = decode_on_device([stage(read_stored(data, header.shape, header.dtype), device)] * 2, device)
     assert got.shape == (2, *header.shape)
     _assert_decodes_alike(got[1].cpu().numpy(), ref)
 
