@@ -197,14 +197,21 @@ def _forward_tiled_colour(src, dst, mat, start, width, colour):  # pragma: no co
                     dst[o0 + o, r, i] = colour[i, 0] * a + colour[i, 1] * b + colour[i, 2] * c
 
 
+# Integer outputs round half up and clip to [lo, hi]. floor(value) plus one where the fraction is at least 1/2
+# is floor(value + 0.5) exactly (checked for every float32) without widening float32 to float64 as ``value +
+# 0.5`` would: about 1.5x faster on uint8 output. ``lo`` and ``hi`` are in the work dtype where it holds them
+# exactly (8- and 16-bit integers), else float64 (the clip then runs in float64).
 @numba.njit(inline="always")
 def _store(value, lo, hi, is_int):  # pragma: no cover - compiled
     if is_int:
-        value = np.floor(value + 0.5)
-        if value < lo:
-            value = lo
-        elif value > hi:
-            value = hi
+        down = np.floor(value)
+        if value - down >= np.float32(0.5):
+            down += np.float32(1.0)
+        if down < lo:
+            down = lo
+        elif down > hi:
+            down = hi
+        return down
     return value
 
 
@@ -432,6 +439,45 @@ def _inverse_rows8(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cov
 
 def _is_rows8(p: AxisPlan, n_inner: int) -> bool:
     return n_inner == 1 and p.block == 8 and p.keep == 8 and p.length >= 8
+
+
+# NHWC images whose W axis is whole blocks of 8 keeping 8 bands (32x32 RGB): the colour product and the pass
+# over W as three cheap vectorised loops instead of _inverse_tiled_rows3's scalar transposes. Per tile of rows,
+# the colour product splits the pixels into three colour planes (loads interleaved by 3 vectorise), the
+# planes' blocks go through _inverse_blocks8 and are interleaved back. The same products in the same order:
+# bit-identical, about 1.9x faster. Whole-row tiles keep each row's blocks in one plane's run; tiles of TILE
+# rows measured as fast as whole slabs.
+@numba.njit(nogil=True, cache=True)
+def _inverse_rows3x8(src, dst, colour, mat, lo, hi, is_int):  # pragma: no cover - compiled
+    """dst[o, 3 * j + i] = sum_r mat[r, j] * sum_c colour[c, i] * src[o, 3 * r + c] per block of 8 pixels."""
+    n_outer, n = src.shape
+    c00, c01, c02, c10, c11, c12 = colour[0, 0], colour[0, 1], colour[0, 2], colour[1, 0], colour[1, 1], colour[1, 2]
+    c20, c21, c22 = colour[2, 0], colour[2, 1], colour[2, 2]
+    m = _square8(mat)
+    zero = np.zeros(1, dtype=mat.dtype)[0]
+    planes = np.empty(TILE * n, dtype=mat.dtype)
+    done = np.empty(TILE * n, dtype=mat.dtype)
+    for o0 in range(0, n_outer, TILE):
+        x = src[o0 : o0 + TILE].reshape(-1)
+        y = dst[o0 : o0 + TILE].reshape(-1)
+        k = x.size // 3  # pixels in the tile
+        p0, p1, p2 = planes[:k], planes[k : 2 * k], planes[2 * k : 3 * k]
+        for w in range(k):
+            a, b, c = x[3 * w], x[3 * w + 1], x[3 * w + 2]
+            p0[w] = c00 * a + c10 * b + c20 * c
+            p1[w] = c01 * a + c11 * b + c21 * c
+            p2[w] = c02 * a + c12 * b + c22 * c
+        _inverse_blocks8(planes, done, 3 * k // 8, m, zero, zero, zero, False)
+        q0, q1, q2 = done[:k], done[k : 2 * k], done[2 * k : 3 * k]
+        for w in range(k):
+            y[3 * w] = _store(q0[w], lo, hi, is_int)
+            y[3 * w + 1] = _store(q1[w], lo, hi, is_int)
+            y[3 * w + 2] = _store(q2[w], lo, hi, is_int)
+
+
+def _is_blocks8(p: AxisPlan) -> bool:
+    """Whole blocks of 8 keeping 8 bands: no edge block."""
+    return p.block == 8 and p.keep == 8 and p.length >= 8 and p.length % 8 == 0
 
 
 # A last axis of exactly 3 kept whole (the RGB colour axis): a 3x3 product per row, unrolled. The tiled kernel
@@ -870,14 +916,19 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
         if dtype.kind in "iu" and last:
             info = np.iinfo(dtype)
             lo, hi, is_int = float(info.min), float(info.max), True
+            if float(wdt.type(lo)) == lo and float(wdt.type(hi)) == hi:  # see _store
+                lo, hi = wdt.type(lo), wdt.type(hi)
         else:
-            lo, hi, is_int = 0.0, 0.0, False
+            lo, hi, is_int = wdt.type(0), wdt.type(0), False  # float64 would widen _store's result: rows8 1.4x slower
         mat = p.matrix.astype(wdt)
         args = (mat, p.block_rows, lo, hi, is_int)
         if _is_rows3(p, n_inner):
             kernel, src_view, dst_view, args = _rows3, (n_outer, 3), (n_outer, 3), (mat, lo, hi, is_int)
         elif _is_rows8(p, n_inner):
             kernel, src_view, dst_view = _inverse_rows8, (n_outer, kept), (n_outer, p.length)
+        elif colour is not None and _is_blocks8(p):
+            kernel, src_view, dst_view = _inverse_rows3x8, (n_outer, 3 * kept), (n_outer, 3 * p.length)
+            args, colour = (colour, mat, lo, hi, is_int), None
         elif colour is not None:
             kernel, src_view, dst_view = _inverse_tiled_rows3, (n_outer, kept, 3), (n_outer, p.length, 3)
             args, colour = (colour, *args), None

@@ -315,7 +315,7 @@ def test_n_values_is_product_of_ceil(shape, data):
 # ---------------------------------------------------------------------------------------------- output dtype
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16"])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "int32"])  # int32: bounds beyond float32
 def test_decode_rounds_and_clips_integers(dtype):
     info = np.iinfo(dtype)
     # hard edges at both ends of the range: the chopped reconstruction overshoots (Gibbs) past the range
@@ -498,6 +498,51 @@ def test_row_kernels_equal_the_tiled_kernels(length, dtype):
     transform._inverse_rows8(coefficients, fast_out, mat, p.block_rows, *limits)
     transform._inverse_tiled(coefficients.reshape(5, p.kept, 1), tiled_out, mat, p.block_rows, *limits)
     np.testing.assert_array_equal(fast_out, tiled_out[..., 0])
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int16", "float32"])
+@pytest.mark.parametrize("n_outer", [5, 150])  # one tile; three, the last one partial
+def test_colour_row_kernel_equals_the_tiled_kernel(n_outer, dtype):
+    """NHWC rows in whole blocks of 8: the planar kernel is bit-identical to the tiled one, integers rounded and
+    clipped (values far outside the range clip)."""
+    dtype = np.dtype(dtype)
+    coefficients = np.random.default_rng(n_outer).standard_normal((n_outer, 32, 3)).astype(np.float32) * 300
+    coefficients[0, 0] = [0.5, 1.5, -0.5]  # ties
+    colour = transform.axis_plan(3, 3, 3).matrix.astype(np.float32)
+    p = transform.axis_plan(32, 8, 8)
+    mat = p.matrix.astype(np.float32)
+    limits = (np.float32(0), np.float32(0), False)
+    if dtype.kind in "iu":
+        limits = (np.float32(np.iinfo(dtype).min), np.float32(np.iinfo(dtype).max), True)
+    planar, tiled = np.empty((n_outer, 96), dtype), np.empty((n_outer, 32, 3), dtype)
+    transform._inverse_rows3x8(coefficients.reshape(n_outer, 96), planar, colour, mat, *limits)
+    transform._inverse_tiled_rows3(coefficients, tiled, colour, mat, p.block_rows, *limits)
+    np.testing.assert_array_equal(planar.reshape(tiled.shape), tiled)
+
+
+@pytest.mark.parametrize(
+    "width, keep, planar",
+    [(32, 8, True), (29, 8, False), (32, 6, False)],  # an edge block or fewer bands: the tiled kernel
+)
+def test_colour_row_kernel_only_for_whole_blocks_of_8(width, keep, planar):
+    plan = make_plan((4, 16, width, 3), (1, 2, 3), (8, 8, 3), (8, keep, 3))
+    passes = transform._inverse_passes(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, "|u1", 1)
+    kernels = [call[0] for call in passes]
+    assert kernels[0] is (transform._inverse_rows3x8 if planar else transform._inverse_tiled_rows3)
+    x = random_data(np.random.default_rng(width), plan.shape, "uint8")
+    v = compress_array(x, plan)
+    expected = np.clip(np.floor(decompress_array(v, plan, np.float32).astype(np.float64) + 0.5), 0, 255)
+    np.testing.assert_array_equal(decompress_array(v, plan, np.uint8), expected)
+
+
+@pytest.mark.parametrize("bounds", [np.float32, float])  # clipped in float32 (8-, 16-bit) or float64 (wider)
+def test_store_rounds_half_up(bounds):
+    values = np.array([0.5, 1.5, 2.4999998, -0.5, -0.50000006, 254.5, 255.5, -3.5, 1e-30, -1e-30, 1e30, -1e30],
+                      dtype=np.float32)
+    src, out = np.pad(values[:, None], ((0, 0), (0, 2))), np.empty((values.size, 3), np.float64)
+    transform._rows3(src, out, np.eye(3, dtype=np.float32), bounds(0), bounds(255), True)
+    expected = np.clip(np.floor(values.astype(np.float64) + 0.5), 0, 255)
+    np.testing.assert_array_equal(out[:, 0], expected)
 
 
 # ---------------------------------------------------------------------------------------------- errors
