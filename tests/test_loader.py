@@ -102,6 +102,25 @@ def test_open_indexes_like_the_decoded_array(image_store, decoded):
         ds["nope"]
 
 
+def test_lossless_arrays_read_across_their_own_chunks(tmp_path, monkeypatch):
+    """A lossless copy has Zarr chunks of its own (here 50 samples against 64 per data chunk; the readers keep
+    the last few): every data chunk's part is right, and what a read hands out is the caller's to change."""
+    import dctchop.store
+
+    monkeypatch.setattr(dctchop.store, "DEFAULT_CHUNK_BYTES", 50 * 8)
+    rng = np.random.default_rng(0)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"], f["index"] = rng.integers(0, 256, (300, 8, 8), dtype=np.uint8), np.arange(300)
+    compress(open_source(str(tmp_path / "in.h5")), tmp_path / "s.zarr", CompressOptions(chunk_samples=64))
+    assert zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["index"].chunks == (50,)
+    reader = dctchop.open(tmp_path / "s.zarr")["index"]._reader
+    for c in [4, 4, 0, 3, 2, 3, 1, 0]:
+        got = reader.decode(c)
+        np.testing.assert_array_equal(got, np.arange(64 * c, min(64 * c + 64, 300)))
+        got[:] = -1
+    np.testing.assert_array_equal(dctchop.open(tmp_path / "s.zarr")["index"][::-1], np.arange(300)[::-1])
+
+
 def test_open_refuses_what_is_not_a_store(tmp_path):
     with pytest.raises(DctchopError, match="does not exist"):
         dctchop.open(tmp_path / "missing.zarr")
