@@ -1,5 +1,6 @@
 """Chunks encoded by an earlier dctchop (committed bytes) still decode to the committed arrays."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,18 @@ def test_fixtures_present():
     assert int((CHUNKS / "VERSION").read_text()) <= FORMAT_VERSION
 
 
+def _rounding_flips_allowed(expected: np.ndarray) -> int:
+    """How many integer samples may differ by one from the committed decode.
+
+    Samples are rounded from a float32 reconstruction whose last bits depend on the order of its sums (which
+    decoders may change: the 8-band kernels sum even and odd bands apart), so a sample within a few float32
+    ulps of .5 may round either way. Allowed: the share of samples within 4 ulps of .5 at the largest
+    magnitude (up to 3% of 16-bit samples, 0.01% of 8-bit ones), at least one, and at least 0.1% of them.
+    """
+    ulp = float(np.spacing(np.float32(np.abs(expected.astype(np.float64)).max())))
+    return max(1, expected.size // 1000, math.ceil(expected.size * 8 * ulp))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_committed_chunk_decodes_as_before(name):
     data = (CHUNKS / f"{name}.chunk").read_bytes()
@@ -25,9 +38,8 @@ def test_committed_chunk_decodes_as_before(name):
     decoded = decode_chunk(data, expected.shape, expected.dtype)
     assert decoded.dtype == expected.dtype
     if expected.dtype.kind in "iu":
-        # float32 sums may round a value sitting at .5 differently on another CPU: allow one unit, rarely
         diff = np.abs(decoded.astype(np.int64) - expected.astype(np.int64))
-        assert diff.max() <= 1 and np.count_nonzero(diff) <= max(1, expected.size // 1000)
+        assert diff.max() <= 1 and np.count_nonzero(diff) <= _rounding_flips_allowed(expected)
     else:
         np.testing.assert_allclose(decoded, expected, rtol=1e-3 if expected.dtype == np.float16 else 1e-5,
                                    atol=1e-6 * float(np.abs(expected).max()))
