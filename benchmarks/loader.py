@@ -19,14 +19,16 @@ epoch) and the same output (contiguous float32 batches, channels-first and norma
   torch is always shown for reference.
 
 Data: the bundled 32x32 RGB sample tiled to ``--images`` images (uint8 NHWC), and ``--fields`` float32
-(32, 32, 32) volumes cut from the bundled 64³ field at shifted offsets. ``GB/s out`` counts the bytes of
+(32, 32, 32) volumes cut from the bundled 64³ field at shifted offsets. Epochs of 64 and 16 batches by
+default: long enough that filling the pipeline (the first chunks decode before any batch) is a small part of
+an epoch, as in training (with 1024 fields, 4 batches, it is not). ``GB/s out`` counts the bytes of
 the batches handed out (float32); ``GB/s data`` counts the decoded samples in their stored dtype (uint8 for
 images). Each figure is the best of ``--repeats`` epochs after one warm-up epoch (the machine may be shared:
 the best run is the least disturbed one).
 
 Run from the repository root (needs the ``bench`` extra for simplejpeg; torch for the device rows)::
 
-    .venv/bin/python benchmarks/loader.py [--images 16384] [--fields 1024] [--batch-size 256] [--repeats 3]
+    .venv/bin/python benchmarks/loader.py [--images 16384] [--fields 4096] [--batch-size 256] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -291,7 +293,7 @@ def bench_kind(kind: str, d: dict, args, torch, cuda: bool) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, default=16384)
-    parser.add_argument("--fields", type=int, default=1024)
+    parser.add_argument("--fields", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
