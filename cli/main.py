@@ -251,7 +251,11 @@ def run() -> None:
         main()
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"): print it, as Python does
+            print(e.code, file=sys.stderr)
+            code = 1
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError):  # a closed pipe (``dctchop inspect ... | head``)

@@ -266,6 +266,13 @@ def test_version():
     assert p.stdout.strip() == f"dctchop, version {__version__}"
 
 
+def test_console_script_prints_a_message_exit():
+    """``run`` leaves with os._exit; a ``sys.exit("message")`` must still print its message and exit 1."""
+    code = "import sys; from dctchop.cli import main as m; m.main = lambda: sys.exit('no such thing'); m.run()"
+    p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip() == "no such thing"
+
+
 def test_group_help_lists_commands():
     p = ok(run("-h"))
     assert p.stdout.startswith("Usage: dctchop")
