@@ -48,6 +48,10 @@ CASES = [
     ((3, 37), (1,), (8,), (8,)),
     ((2, 12, 29), (1, 2), (8, 8), (8, 8)),
     ((9, 10, 24), (0, 1, 2), (8, 8, 8), (4, 8, 8)),
+    # 8 kept rows of 16-sample blocks, and of the 15-sample edge block (odd: its middle sample has no mirror),
+    # through the tiled kernel (inner 9) and through _inverse_3d (inner 20): the even/odd-band sums
+    ((2, 31, 9), (1, 2), (16, 8), (8, 8)),
+    ((2, 31, 20), (1,), (16,), (8,)),
 ]
 CASE_IDS = ["x".join(map(str, c[0])) + "-ax" + "".join(map(str, c[1])) for c in CASES]
 
