@@ -372,16 +372,16 @@ def _square8(mat):  # pragma: no cover - compiled
 
 
 @numba.njit(inline="always")
-def _sum8(m, first, stride, x, zero):  # pragma: no cover - compiled
-    """``zero + m[first] * x[0] + m[first + stride] * x[1] + ... + m[first + 7 * stride] * x[7]``, left to right."""
+def _sum8(m, first, x, zero):  # pragma: no cover - compiled
+    """``zero + m[first] * x[0] + m[first + 1] * x[1] + ... + m[first + 7] * x[7]``, left to right."""
     acc = zero + m[first] * x[0]
-    acc += m[first + stride] * x[1]
-    acc += m[first + 2 * stride] * x[2]
-    acc += m[first + 3 * stride] * x[3]
-    acc += m[first + 4 * stride] * x[4]
-    acc += m[first + 5 * stride] * x[5]
-    acc += m[first + 6 * stride] * x[6]
-    acc += m[first + 7 * stride] * x[7]
+    acc += m[first + 1] * x[1]
+    acc += m[first + 2] * x[2]
+    acc += m[first + 3] * x[3]
+    acc += m[first + 4] * x[4]
+    acc += m[first + 5] * x[5]
+    acc += m[first + 6] * x[6]
+    acc += m[first + 7] * x[7]
     return acc
 
 
@@ -396,14 +396,14 @@ def _block8(x, b):  # pragma: no cover - compiled
 def _forward_blocks8(x, y, n_blocks, m, zero):  # pragma: no cover - compiled
     for b in range(n_blocks):
         v = _block8(x, b)
-        y[8 * b] = _sum8(m, 0, 1, v, zero)
-        y[8 * b + 1] = _sum8(m, 8, 1, v, zero)
-        y[8 * b + 2] = _sum8(m, 16, 1, v, zero)
-        y[8 * b + 3] = _sum8(m, 24, 1, v, zero)
-        y[8 * b + 4] = _sum8(m, 32, 1, v, zero)
-        y[8 * b + 5] = _sum8(m, 40, 1, v, zero)
-        y[8 * b + 6] = _sum8(m, 48, 1, v, zero)
-        y[8 * b + 7] = _sum8(m, 56, 1, v, zero)
+        y[8 * b] = _sum8(m, 0, v, zero)
+        y[8 * b + 1] = _sum8(m, 8, v, zero)
+        y[8 * b + 2] = _sum8(m, 16, v, zero)
+        y[8 * b + 3] = _sum8(m, 24, v, zero)
+        y[8 * b + 4] = _sum8(m, 32, v, zero)
+        y[8 * b + 5] = _sum8(m, 40, v, zero)
+        y[8 * b + 6] = _sum8(m, 48, v, zero)
+        y[8 * b + 7] = _sum8(m, 56, v, zero)
 
 
 @numba.njit(inline="always")
