@@ -49,6 +49,7 @@ from dctchop.transform import (
     MASKS,
     TransformPlan,
     _pool,
+    channels_first_shape,
     forward,
     gather,
     inverse,
@@ -349,22 +350,27 @@ def _counted_rows(x: np.ndarray, axes: tuple[int, ...], valid_rows: int | None =
     return rows if rows.any() else np.ones(x.shape[0], dtype=bool)
 
 
-def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int, out=None) -> np.ndarray:
+def _reconstruct(stored, steps, plan, precision: str, dtype, threads: int, out=None,
+                 channels_first: bool = False) -> np.ndarray:
     """Stored values -> data: dequantize into the coefficient image, inverse transform."""
     values = qz.numeric(stored, precision)
-    return _decode_slabs(plan, dtype, threads, lambda *args: qz.dequantize_into(values, steps, *args), out)
+    return _decode_slabs(plan, dtype, threads, lambda *args: qz.dequantize_into(values, steps, *args), out,
+                         channels_first)
 
 
 SLAB_VALUES = 1 << 17
 
 
-def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarray | None = None) -> np.ndarray:
+def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarray | None = None,
+                  channels_first: bool = False) -> np.ndarray:
     """Coefficients -> data one slab (:func:`dctchop.transform.slabs`) at a time, slabs shared among threads:
     a slab's values stay in cache from ``fill(first, seg_starts, seg_bands, values)`` (dequantized, storage
     order) through :func:`dctchop.transform.place` and the inverse passes, where the whole chunk's coefficients
-    would stream through memory once per step."""
+    would stream through memory once per step. ``channels_first``: see :func:`dctchop.transform.inverse`."""
     dtype = np.dtype(dtype)
-    out = np.empty(plan.shape, dtype=dtype) if out is None else out
+    if out is None:
+        shape = plan.shape
+        out = np.empty(channels_first_shape(shape) if channels_first else shape, dtype)
     parts = slabs(plan, SLAB_VALUES)
     inner_threads = threads if len(parts) == 1 else 1
 
@@ -380,7 +386,7 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
             _, seg_starts, seg_bands = p.order
             fill(part.first, seg_starts, seg_bands, values)
             place(values, p, image.reshape(-1))
-            inverse(image, p, dtype, inner_threads, out=out[part.start : part.stop])
+            inverse(image, p, dtype, inner_threads, out=out[part.start : part.stop], channels_first=channels_first)
 
     n_jobs = min(threads, len(parts))
     if n_jobs <= 1:
@@ -585,23 +591,26 @@ def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> Stor
 
 
 def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, threads: int = 1,
-                 out: np.ndarray | None = None) -> np.ndarray:
+                 out: np.ndarray | None = None, channels_first: bool = False) -> np.ndarray:
     """Decode one chunk that must hold an array of ``shape`` and ``dtype``, into ``out`` when given (a
     C-contiguous array of that shape and dtype: a loader reuses its chunk buffers, where fresh pages would
-    cost the kernel's zeroing of them).
+    cost the kernel's zeroing of them). ``channels_first``: the last axis comes out as axis 1, NHWC as NCHW
+    (``out`` then has that shape), as a loader yielding channels-first batches wants it.
 
     Raises :class:`CorruptChunkError` for anything that is not a valid chunk of that shape and dtype.
     Bit planes are unpacked straight into each slab's coefficients (no int array in between).
     """
     header, plan, steps, payload = _checked(data, shape, dtype)
-    if out is not None and (out.shape != plan.shape or out.dtype != header.dtype or not out.flags.c_contiguous):
-        raise ValueError(f"out must be a C-contiguous {header.dtype}{list(plan.shape)} array, got "
+    out_shape = channels_first_shape(plan.shape) if channels_first else plan.shape
+    if out is not None and (out.shape != out_shape or out.dtype != header.dtype or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous {header.dtype}{list(out_shape)} array, got "
                          f"{out.dtype}{list(out.shape)}")
     if not header.bitplanes:
         return _reconstruct(_plain_values(header, payload), steps, plan, header.precision, header.dtype, threads,
-                            out)
+                            out, channels_first)
     planes = check_planes(payload, plan.order[1], qz.STORAGE_DTYPES[header.precision])
-    return _decode_slabs(plan, header.dtype, threads, lambda *args: planes.dequantize_into(steps, *args), out)
+    return _decode_slabs(plan, header.dtype, threads, lambda *args: planes.dequantize_into(steps, *args), out,
+                         channels_first)
 
 
 # ---------------------------------------------------------------------------------------------- zarr codec

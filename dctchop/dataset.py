@@ -33,7 +33,7 @@ from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
 from dctchop.store import chunk_file, unframe
-from dctchop.transform import resolve_threads
+from dctchop.transform import channels_first_axes, resolve_threads
 
 __all__ = ["ArrayView", "Dataset", "open"]
 
@@ -70,16 +70,18 @@ class _LossyArray:
         except CorruptChunkError as e:
             raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): {e}") from None
 
-    def decode(self, index: int, out: np.ndarray | None = None) -> np.ndarray:
+    def decode(self, index: int, out: np.ndarray | None = None, channels_first: bool = False) -> np.ndarray:
         """Samples of chunk ``index`` (the edge chunk trimmed to the array), in the array's dtype; decoded
         into ``out`` (an array of the chunk's shape and the array's dtype) when given and the chunk files
-        are read directly."""
+        are read directly. ``channels_first``: the last axis moved to axis 1 (see
+        :func:`dctchop.codec.decode_chunk`); ``out`` then has that shape."""
         start, stop = _chunk_bounds(index, self.chunk_len, self.shape[0])
         if not self.direct:
-            return np.asarray(self.array[start:stop])
+            x = np.asarray(self.array[start:stop])
+            return np.ascontiguousarray(x.transpose(channels_first_axes(x.ndim))) if channels_first else x
         data = self.raw(index)
         try:
-            out = decode_chunk(data, self.chunk_shape, self.dtype, out=out)
+            out = decode_chunk(data, self.chunk_shape, self.dtype, out=out, channels_first=channels_first)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"array {self.name}: chunk {index}: {e}") from None
         return out[: stop - start]

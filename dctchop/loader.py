@@ -28,7 +28,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numba
 import numpy as np
@@ -36,7 +36,7 @@ import numpy as np
 from dctchop.dataset import Dataset
 from dctchop.errors import DctchopError
 from dctchop.layout import infer_axes
-from dctchop.transform import resolve_threads
+from dctchop.transform import channels_first_axes, channels_first_shape, resolve_threads
 
 __all__ = ["Loader", "epoch_order"]
 
@@ -364,7 +364,12 @@ class Loader:
         first = next((n for n in self.names if self.dataset.array(n).lossy), None)
         self.specs = [self._spec(name, name == first, dtype, layout, mean, std) for name in self.names]
         self._views = [self.dataset.array(name) for name in self.names]
-        self._fused = [s.lossy and _fused(s, v.dtype) for s, v in zip(self.specs, self._views)]
+        # channels-last arrays yielded channels-first are decoded that way (planar kernels; a cheap gather)
+        self._decode_channels_first = [s.lossy and not self.device_decode and len(s.perm) > 2
+                                       and s.perm == channels_first_axes(len(s.perm)) for s in self.specs]
+        self._chunk_specs = [replace(s, perm=tuple(range(len(s.perm)))) if cf else s
+                             for s, cf in zip(self.specs, self._decode_channels_first)]
+        self._fused = [s.lossy and _fused(s, v.dtype) for s, v in zip(self._chunk_specs, self._views)]
         if self.device_decode and not all(v._reader.direct for v, s in zip(self._views, self.specs) if s.lossy):
             raise DctchopError("device decode needs arrays stored as dctchop chunk files; pass device_decode=False")
         self.epoch = 0
@@ -499,15 +504,16 @@ class Loader:
         """Runs in a decoding thread: chunk ``c`` of every array, prepared for gathering (or staged for
         device decode)."""
         loaded = {}
-        for spec, view, fused in zip(self.specs, self._views, self._fused):
+        for spec, view, fused, cf in zip(self._chunk_specs, self._views, self._fused, self._decode_channels_first):
             if spec.lossy and self.device_decode:
                 from dctchop.torch_decode import stage
 
                 loaded[spec.name] = stage(view._reader.coded(c), self.device)
             elif spec.lossy:
                 reader = view._reader
-                buffer = self._chunk_buffers.get(reader.chunk_shape, reader.dtype) if reader.direct else None
-                x = reader.decode(c, out=buffer)
+                shape = channels_first_shape(reader.chunk_shape) if cf else reader.chunk_shape
+                buffer = self._chunk_buffers.get(shape, reader.dtype) if reader.direct else None
+                x = reader.decode(c, out=buffer, channels_first=cf)
                 loaded[spec.name] = x if fused else _prepare_host(x, spec)
             else:
                 loaded[spec.name] = view._reader.decode(c)
@@ -520,7 +526,7 @@ class Loader:
         if device_stage is not None:
             device_stage.prepare(chunks)
         out = []
-        for spec, fused in zip(self.specs, self._fused):
+        for spec, fused in zip(self._chunk_specs, self._fused):
             if device_stage is not None and spec.lossy:
                 out.append(device_stage.gather(spec, batch, chunk_len))
                 continue

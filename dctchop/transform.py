@@ -493,12 +493,26 @@ def _is_rows8(p: AxisPlan, n_inner: int) -> bool:
 # planes' blocks go through _inverse_blocks8 and are interleaved back. The same products in the same order:
 # bit-identical, about 1.9x faster. Whole-row tiles keep each row's blocks in one plane's run; tiles of TILE
 # rows measured as fast as whole slabs.
+@numba.njit(inline="always")
+def _colour_planes(x, planes, colour):  # pragma: no cover - compiled
+    """The 3x3 colour product of the interleaved pixels ``x`` into three planes of ``k`` values at the start of
+    ``planes`` (plane i: ``planes[i * k : (i + 1) * k]``); returns ``k``."""
+    c00, c01, c02, c10, c11, c12 = colour[0, 0], colour[0, 1], colour[0, 2], colour[1, 0], colour[1, 1], colour[1, 2]
+    c20, c21, c22 = colour[2, 0], colour[2, 1], colour[2, 2]
+    k = x.size // 3
+    p0, p1, p2 = planes[:k], planes[k : 2 * k], planes[2 * k : 3 * k]
+    for w in range(k):
+        a, b, c = x[3 * w], x[3 * w + 1], x[3 * w + 2]
+        p0[w] = c00 * a + c10 * b + c20 * c
+        p1[w] = c01 * a + c11 * b + c21 * c
+        p2[w] = c02 * a + c12 * b + c22 * c
+    return k
+
+
 @numba.njit(nogil=True, cache=True)
 def _inverse_rows3x8(src, dst, colour, mat, lo, hi, is_int):  # pragma: no cover - compiled
     """dst[o, 3 * j + i] = sum_r mat[r, j] * sum_c colour[c, i] * src[o, 3 * r + c] per block of 8 pixels."""
     n_outer, n = src.shape
-    c00, c01, c02, c10, c11, c12 = colour[0, 0], colour[0, 1], colour[0, 2], colour[1, 0], colour[1, 1], colour[1, 2]
-    c20, c21, c22 = colour[2, 0], colour[2, 1], colour[2, 2]
     m = _square8(mat)
     zero = np.zeros(1, dtype=mat.dtype)[0]
     planes = np.empty(TILE * n, dtype=mat.dtype)
@@ -506,19 +520,32 @@ def _inverse_rows3x8(src, dst, colour, mat, lo, hi, is_int):  # pragma: no cover
     for o0 in range(0, n_outer, TILE):
         x = src[o0 : o0 + TILE].reshape(-1)
         y = dst[o0 : o0 + TILE].reshape(-1)
-        k = x.size // 3  # pixels in the tile
-        p0, p1, p2 = planes[:k], planes[k : 2 * k], planes[2 * k : 3 * k]
-        for w in range(k):
-            a, b, c = x[3 * w], x[3 * w + 1], x[3 * w + 2]
-            p0[w] = c00 * a + c10 * b + c20 * c
-            p1[w] = c01 * a + c11 * b + c21 * c
-            p2[w] = c02 * a + c12 * b + c22 * c
-        _inverse_blocks8(planes, done, 3 * k // 8, m, zero, zero, zero, False)
+        k = _colour_planes(x, planes, colour)
+        _inverse_blocks8(planes, done, 3 * k // 8, m, zero, lo, hi, is_int)  # rounded here: vectorised
         q0, q1, q2 = done[:k], done[k : 2 * k], done[2 * k : 3 * k]
         for w in range(k):
-            y[3 * w] = _store(q0[w], lo, hi, is_int)
-            y[3 * w + 1] = _store(q1[w], lo, hi, is_int)
-            y[3 * w + 2] = _store(q2[w], lo, hi, is_int)
+            y[3 * w], y[3 * w + 1], y[3 * w + 2] = q0[w], q1[w], q2[w]
+
+
+# The same pass writing channels-first (planar) output, for a loader that yields channels-first batches: a
+# tile's three colour planes are already planar, so each goes through _inverse_blocks8 straight into its
+# place in ``dst`` (a sample's rows of one colour are contiguous there), with no interleaving loop; and the
+# loader's gather then converts contiguous runs (vectorised) instead of deinterleaving by 3 (about 8x slower).
+@numba.njit(nogil=True, cache=True)
+def _inverse_rows3x8_planar(src, dst, colour, mat, lo, hi, is_int):  # pragma: no cover - compiled
+    """dst[n, i, h, j] = sum_r mat[r, j] * sum_c colour[c, i] * src[n, h, 3 * r + c] per block of 8 pixels."""
+    n_samples, n_rows, n = src.shape
+    m = _square8(mat)
+    zero = np.zeros(1, dtype=mat.dtype)[0]
+    planes = np.empty(TILE * n, dtype=mat.dtype)
+    for s in range(n_samples):
+        for h0 in range(0, n_rows, TILE):
+            h1 = min(h0 + TILE, n_rows)
+            k = _colour_planes(src[s, h0:h1].reshape(-1), planes, colour)
+            p0, p1, p2 = planes[:k], planes[k : 2 * k], planes[2 * k : 3 * k]
+            _inverse_blocks8(p0, dst[s, 0, h0:h1].reshape(-1), k // 8, m, zero, lo, hi, is_int)
+            _inverse_blocks8(p1, dst[s, 1, h0:h1].reshape(-1), k // 8, m, zero, lo, hi, is_int)
+            _inverse_blocks8(p2, dst[s, 2, h0:h1].reshape(-1), k // 8, m, zero, lo, hi, is_int)
 
 
 def _is_blocks8(p: AxisPlan) -> bool:
@@ -565,7 +592,8 @@ def resolve_threads(threads: int | None) -> int:
 def _run_split(kernel, src, dst, args, threads: int) -> None:
     """Run ``kernel(src, dst, *args)`` split over the outer (or, when that is too short, inner) dimension."""
     n_outer = src.shape[0]
-    if threads <= 1 or src.size < 1 << 16 or (n_outer < threads and src.ndim < 3):
+    rows_inner = src.ndim == 3 and dst.ndim == 3  # (outer, rows, inner) views: splittable over inner
+    if threads <= 1 or src.size < 1 << 16 or (n_outer < threads and not rows_inner):
         kernel(src, dst, *args)
         return
     if n_outer >= threads:
@@ -914,49 +942,74 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
 
 
 def inverse(coefficients: np.ndarray, plan: TransformPlan, dtype, threads: int = 1,
-            out: np.ndarray | None = None) -> np.ndarray:
+            out: np.ndarray | None = None, channels_first: bool = False) -> np.ndarray:
     """Inverse of :func:`forward`: coefficient image -> array of ``plan.shape`` and ``dtype``.
 
     Integer dtypes are rounded to nearest and clipped to their range in the last pass. ``out``: a C-contiguous
-    array of that shape and dtype the result is written to (and returned).
+    array of that shape and dtype the result is written to (and returned). ``channels_first``: the result's
+    last axis is moved to axis 1 (NHWC -> NCHW), written that way by the kernels for RGB blocks of 8 across the
+    last two axes (see :func:`_inverse_rows3x8_planar`), else by a copy at the end.
     """
     dtype = np.dtype(dtype)
     cur = np.ascontiguousarray(coefficients, dtype=work_dtype(dtype))
     if cur.shape != plan.coefficient_shape:
         raise DctchopError(f"coefficient shape {cur.shape} does not match {plan.coefficient_shape}")
-    passes = _inverse_passes(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, dtype.str, threads)
+    passes, planar = _inverse_passes(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, dtype.str, threads,
+                                     channels_first)
     for step, (kernel, src_view, shape, dst_view, dst_dtype, args) in enumerate(passes):
         last = step == len(passes) - 1
-        dst = out if last and out is not None and dst_dtype == dtype else np.empty(shape, dtype=dst_dtype)
+        direct = last and out is not None and dst_dtype == dtype and planar == channels_first
+        dst = out if direct else np.empty(shape, dtype=dst_dtype)
         _run_split(kernel, cur.reshape(src_view), dst.reshape(dst_view), args, threads)
         cur = dst
     if dtype == np.float16:  # ringing near the float16 limit must not overflow to inf
         np.clip(cur, -65504.0, 65504.0, out=cur)
+    if channels_first and not planar:
+        cur = cur.transpose(channels_first_axes(cur.ndim))
     if out is None:
-        return cur.astype(dtype, copy=False)
+        return np.ascontiguousarray(cur, dtype=dtype)
     if cur is not out:
         np.copyto(out, cur, casting="unsafe")
     return out
 
 
+def channels_first_axes(ndim: int) -> tuple[int, ...]:
+    """The transpose that moves the last axis to axis 1: (N, H, W, C) -> (N, C, H, W)."""
+    return (0, ndim - 1, *range(1, ndim - 1)) if ndim > 2 else tuple(range(ndim))
+
+
 @lru_cache(maxsize=64)
-def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int) -> tuple[tuple, ...]:
+def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int,
+                    channels_first: bool = False) -> tuple[tuple[tuple, ...], bool]:
     """The kernel calls of :func:`inverse`, worked out once per setting (a decoder calls it once per slab):
-    ``(kernel, source view, output shape, output view, output dtype, kernel arguments)`` per pass."""
+    ``(kernel, source view, output shape, output view, output dtype, kernel arguments)`` per pass, and whether
+    they leave the result channels-first (only asked for with ``channels_first``, and only where the colour
+    pass goes with a last pass over blocks of 8, :func:`_inverse_rows3x8_planar`).
+
+    A colour axis (the last, 3 kept of 3) is not a pass of its own: its 3x3 product is done while reading the
+    next pass's input (over W). When W is whole blocks of 8, that colour + W pass runs last, after the passes
+    over the other axes: its output is written with contiguous runs per colour plane (vectorised; with
+    ``channels_first`` straight into place), where a last pass over H would write rows of interleaved colours
+    of only W samples per plane: 1.2x faster for NHWC and 1.7x for NCHW output (32x32 RGB). The passes commute
+    up to rounding; every decode of a setting runs them in the same order.
+    """
     plan = _plan(shape, axes, block, keep, mask)
     dtype = np.dtype(dtype_str)
     wdt = work_dtype(dtype)
     shape = list(plan.coefficient_shape)
     passes = list(zip(reversed(plan.axes), reversed(plan.axis_plans)))
+    colour, colour_axis = None, None  # the colour pass's matrix; the axis whose pass does it
+    if (len(passes) > 1 and _is_rows3(passes[0][1], _axis_view(tuple(shape), passes[0][0])[2])
+            and passes[1][0] == passes[0][0] - 1 and math.prod(shape[: passes[1][0]]) >= threads):
+        colour, colour_axis = passes[0][1].matrix.astype(wdt), passes[1][0]  # split by rows if threaded
+        passes = passes[1:]
+        if _is_blocks8(passes[0][1]):
+            passes = passes[1:] + passes[:1]
     calls = []
-    colour = None  # a colour pass left to the next pass's gather
+    planar = False
     for step, (a, p) in enumerate(passes):
         last = step == len(passes) - 1
         n_outer, kept, n_inner = _axis_view(tuple(shape), a)
-        fuse = not last and passes[step + 1][0] == a - 1 and math.prod(shape[: a - 1]) >= threads
-        if _is_rows3(p, n_inner) and fuse:  # the next pass is over W of (..., W, 3), split by rows if threaded
-            colour = p.matrix.astype(wdt)
-            continue
         shape[a] = p.length
         out_dtype = dtype if last and dtype.kind in "iu" else (np.float32 if last and dtype == np.float16 else wdt)
         if dtype.kind in "iu" and last:
@@ -968,21 +1021,31 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
             lo, hi, is_int = wdt.type(0), wdt.type(0), False  # float64 would widen _store's result: rows8 1.4x slower
         mat = p.matrix.astype(wdt)
         args = (mat, p.block_rows, lo, hi, is_int)
-        if _is_rows3(p, n_inner):
+        if a == colour_axis and _is_blocks8(p) and channels_first:
+            rows = math.prod(shape[1:a])
+            kernel, src_view, dst_view = _inverse_rows3x8_planar, (shape[0], rows, 3 * kept), (shape[0], 3, rows, p.length)
+            args, planar = (colour, mat, lo, hi, is_int), True
+        elif a == colour_axis and _is_blocks8(p):
+            kernel, src_view, dst_view = _inverse_rows3x8, (n_outer, 3 * kept), (n_outer, 3 * p.length)
+            args = (colour, mat, lo, hi, is_int)
+        elif a == colour_axis:
+            kernel, src_view, dst_view = _inverse_tiled_rows3, (n_outer, kept, 3), (n_outer, p.length, 3)
+            args = (colour, *args)
+        elif _is_rows3(p, n_inner):
             kernel, src_view, dst_view, args = _rows3, (n_outer, 3), (n_outer, 3), (mat, lo, hi, is_int)
         elif _is_rows8(p, n_inner):
             kernel, src_view, dst_view = _inverse_rows8, (n_outer, kept), (n_outer, p.length)
-        elif colour is not None and _is_blocks8(p):
-            kernel, src_view, dst_view = _inverse_rows3x8, (n_outer, 3 * kept), (n_outer, 3 * p.length)
-            args, colour = (colour, mat, lo, hi, is_int), None
-        elif colour is not None:
-            kernel, src_view, dst_view = _inverse_tiled_rows3, (n_outer, kept, 3), (n_outer, p.length, 3)
-            args, colour = (colour, *args), None
         else:
             kernel = _inverse_tiled if n_inner < SHORT_INNER else _inverse_3d
             src_view, dst_view = (n_outer, kept, n_inner), (n_outer, p.length, n_inner)
-        calls.append((kernel, src_view, tuple(shape), dst_view, np.dtype(out_dtype), args))
-    return tuple(calls)
+        out_shape = channels_first_shape(shape) if planar else tuple(shape)
+        calls.append((kernel, src_view, out_shape, dst_view, np.dtype(out_dtype), args))
+    return tuple(calls), planar
+
+
+def channels_first_shape(shape) -> tuple[int, ...]:
+    """``shape`` with its last axis moved to axis 1."""
+    return tuple(shape[i] for i in channels_first_axes(len(shape)))
 
 
 def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:

@@ -181,6 +181,23 @@ def test_decode_into_a_given_array(precision):
             decode_chunk(data, x.shape, x.dtype, out=wrong)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("precision", ["int16", "float16"])  # bit planes; plain stored values
+def test_decode_channels_first(precision, threads):
+    """NHWC decoded as NCHW (what a channels-first loader asks for) is the usual decode with its axes moved, in
+    several slabs; ``out`` must then have the moved shape."""
+    x = np.stack([smooth_uint8_stack(seed=c, n=60, h=32, w=24) for c in range(3)], axis=-1)
+    s = ChunkSettings(axes=(1, 2, 3), block=(8, 8, 3), keep=(8, 8, 3), precision=precision)
+    data = encode_chunk(x, s)
+    expected = np.moveaxis(decode_chunk(data, x.shape, x.dtype, threads), -1, 1)
+    np.testing.assert_array_equal(decode_chunk(data, x.shape, x.dtype, threads, channels_first=True), expected)
+    out = np.empty(expected.shape, np.uint8)
+    assert decode_chunk(data, x.shape, x.dtype, threads, out=out, channels_first=True) is out
+    np.testing.assert_array_equal(out, expected)
+    with pytest.raises(ValueError, match=r"C-contiguous uint8\[60, 3, 32, 24\]"):
+        decode_chunk(data, x.shape, x.dtype, out=np.empty(x.shape, np.uint8), channels_first=True)
+
+
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "float16", "float32", "float64"])
 def test_every_data_dtype_round_trips(dtype):
     x = smooth_uint8_stack(n=2, h=16, w=16).astype(dtype)

@@ -215,9 +215,10 @@ def test_chunks_decode_into_reused_buffers_and_batches_stay_right(image_store, d
     buffers = []
     decode = dataset_module.decode_chunk
 
-    def recording(data, shape, dtype, threads=1, out=None):
+    def recording(data, shape, dtype, threads=1, out=None, channels_first=False):
+        assert channels_first  # NHWC yielded channels-first: decoded that way, into (n, 3, 32, 32) buffers
         buffers.append(out.ctypes.data)
-        return decode(data, shape, dtype, threads, out=out)
+        return decode(data, shape, dtype, threads, out=out, channels_first=channels_first)
 
     monkeypatch.setattr(dataset_module, "decode_chunk", recording)
     loader = dctchop.Loader(image_store, batch_size=50, seed=2, arrays=["images", "index"], dtype=dtype,
@@ -227,6 +228,18 @@ def test_chunks_decode_into_reused_buffers_and_batches_stay_right(image_store, d
         for x, index in loader:
             np.testing.assert_array_equal(x, decoded[index].transpose(0, 3, 1, 2).astype(x.dtype))
     assert len(buffers) == 3 * 10 and len(set(buffers)) < 15
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])  # gathered with conversion; copied as decoded
+def test_arrays_read_through_zarr_give_the_same_batches(image_store, dtype):
+    """Chunks of an array that is not read from its chunk files directly come through zarr (no buffer reuse)
+    and are moved to channels-first there: the batches are the same."""
+    direct = dctchop.Loader(image_store, batch_size=50, seed=3, dtype=dtype)
+    through_zarr = dctchop.Loader(image_store, batch_size=50, seed=3, dtype=dtype)
+    through_zarr._views[0]._reader.direct = False
+    for (a, ya), (b, yb) in zip(collect(direct), collect(through_zarr), strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(ya, yb)
 
 
 def test_default_batches_are_float32_channels_first_with_labels(image_store, decoded):
@@ -257,7 +270,8 @@ def test_each_chunk_is_decoded_once_per_epoch(image_store, monkeypatch):
 
     calls = []
     original = _LossyArray.decode
-    monkeypatch.setattr(_LossyArray, "decode", lambda self, c, out=None: calls.append(c) or original(self, c, out))
+    monkeypatch.setattr(_LossyArray, "decode",
+                        lambda self, c, **kw: calls.append(c) or original(self, c, **kw))
     loader = dctchop.Loader(image_store, batch_size=32, window=2, threads=2)
     for epoch in range(2):
         calls.clear()

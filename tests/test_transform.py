@@ -52,6 +52,8 @@ CASES = [
     # through the tiled kernel (inner 9) and through _inverse_3d (inner 20): the even/odd-band sums
     ((2, 31, 9), (1, 2), (16, 8), (8, 8)),
     ((2, 31, 20), (1,), (16,), (8,)),
+    # NHWC in whole blocks of 8 with the colour axis: the colour + W pass runs last (_inverse_rows3x8)
+    ((2, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3)),
 ]
 CASE_IDS = ["x".join(map(str, c[0])) + "-ax" + "".join(map(str, c[1])) for c in CASES]
 
@@ -507,8 +509,8 @@ def test_row_kernels_equal_the_tiled_kernels(length, dtype):
 @pytest.mark.parametrize("dtype", ["uint8", "int16", "float32"])
 @pytest.mark.parametrize("n_outer", [5, 150])  # one tile; three, the last one partial
 def test_colour_row_kernel_equals_the_tiled_kernel(n_outer, dtype):
-    """NHWC rows in whole blocks of 8: the planar kernel is bit-identical to the tiled one, integers rounded and
-    clipped (values far outside the range clip)."""
+    """NHWC rows in whole blocks of 8: the row kernels, interleaved and channels-first, are bit-identical to the
+    tiled one, integers rounded and clipped (values far outside the range clip)."""
     dtype = np.dtype(dtype)
     coefficients = np.random.default_rng(n_outer).standard_normal((n_outer, 32, 3)).astype(np.float32) * 300
     coefficients[0, 0] = [0.5, 1.5, -0.5]  # ties
@@ -522,21 +524,58 @@ def test_colour_row_kernel_equals_the_tiled_kernel(n_outer, dtype):
     transform._inverse_rows3x8(coefficients.reshape(n_outer, 96), planar, colour, mat, *limits)
     transform._inverse_tiled_rows3(coefficients, tiled, colour, mat, p.block_rows, *limits)
     np.testing.assert_array_equal(planar.reshape(tiled.shape), tiled)
+    samples = 5 if n_outer % 5 == 0 else 1  # 150 rows: 5 samples of 30; 5 rows: 1 sample
+    channels_first = np.empty((samples, 3, n_outer // samples, 32), dtype)
+    transform._inverse_rows3x8_planar(coefficients.reshape(samples, -1, 96), channels_first, colour, mat, *limits)
+    np.testing.assert_array_equal(channels_first.transpose(0, 2, 3, 1).reshape(tiled.shape), tiled)
 
 
 @pytest.mark.parametrize(
-    "width, keep, planar",
+    "width, keep, row_kernel",
     [(32, 8, True), (29, 8, False), (32, 6, False)],  # an edge block or fewer bands: the tiled kernel
 )
-def test_colour_row_kernel_only_for_whole_blocks_of_8(width, keep, planar):
+def test_colour_row_kernel_only_for_whole_blocks_of_8(width, keep, row_kernel):
     plan = make_plan((4, 16, width, 3), (1, 2, 3), (8, 8, 3), (8, keep, 3))
-    passes = transform._inverse_passes(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, "|u1", 1)
+    passes, _ = transform._inverse_passes(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, "|u1", 1)
     kernels = [call[0] for call in passes]
-    assert kernels[0] is (transform._inverse_rows3x8 if planar else transform._inverse_tiled_rows3)
+    assert kernels == ([transform._inverse_3d, transform._inverse_rows3x8] if row_kernel  # colour + W last
+                       else [transform._inverse_tiled_rows3, transform._inverse_3d])
     x = random_data(np.random.default_rng(width), plan.shape, "uint8")
     v = compress_array(x, plan)
     expected = np.clip(np.floor(decompress_array(v, plan, np.float32).astype(np.float64) + 0.5), 0, 255)
     np.testing.assert_array_equal(decompress_array(v, plan, np.uint8), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "shape, axes, block, keep, dtype, in_kernels",
+    [
+        ((64, 32, 32, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "uint8", True),  # split over samples with 2 threads
+        ((5, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "float32", True),
+        ((16, 32, 3), (1, 2), (8, 3), (8, 3), "uint8", True),  # NWC: colour + W is the only pass
+        ((2, 8, 8, 16, 3), (2, 3, 4), (8, 8, 3), (8, 8, 3), "uint16", True),  # NZYXC
+        ((3, 16, 29, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "uint8", False),  # an edge block: moved by a copy
+        ((4, 32, 32, 3), (1, 2), (8, 8), (8, 8), "uint8", False),  # no colour pass
+        ((8, 16, 16, 3), (0, 1, 2), (8, 8, 8), (8, 8, 8), "float16", False),
+    ],
+)
+def test_channels_first_output_is_the_output_with_its_last_axis_moved(shape, axes, block, keep, dtype, in_kernels,
+                                                                       threads):
+    """``inverse(..., channels_first=True)`` gives exactly the usual output with its last axis moved to axis 1,
+    written by the kernels where the colour pass goes with a last pass over blocks of 8, else copied."""
+    plan = make_plan(shape, axes, block, keep)
+    x = random_data(np.random.default_rng(len(shape)), shape, dtype)
+    coefficients = scatter(compress_array(x, plan), plan, transform.work_dtype(x.dtype))
+    expected = np.moveaxis(inverse(coefficients, plan, x.dtype, threads), -1, 1)
+    got = inverse(coefficients, plan, x.dtype, threads, channels_first=True)
+    assert got.flags.c_contiguous
+    np.testing.assert_array_equal(got, expected)
+    out = np.empty(expected.shape, x.dtype)
+    assert inverse(coefficients, plan, x.dtype, threads, out=out, channels_first=True) is out
+    np.testing.assert_array_equal(out, expected)
+    _, planar = transform._inverse_passes(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, x.dtype.str,
+                                          threads, True)
+    assert planar == in_kernels
 
 
 @pytest.mark.parametrize("bounds", [np.float32, float])  # clipped in float32 (8-, 16-bit) or float64 (wider)
