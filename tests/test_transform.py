@@ -52,8 +52,10 @@ CASES = [
     # through the tiled kernel (inner 9) and through _inverse_3d (inner 20): the even/odd-band sums
     ((2, 31, 9), (1, 2), (16, 8), (8, 8)),
     ((2, 31, 20), (1,), (16,), (8,)),
-    # NHWC in whole blocks of 8 with the colour axis: the colour + W pass runs last (_inverse_rows3x8)
+    # NHWC in whole blocks of 8 with the colour axis: the colour + W pass runs last (_inverse_rows3x8); without
+    # it, the same kernel with the identity as colour matrix
     ((2, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3)),
+    ((2, 16, 24, 3), (1, 2), (8, 8), (8, 8)),
 ]
 CASE_IDS = ["x".join(map(str, c[0])) + "-ax" + "".join(map(str, c[1])) for c in CASES]
 
@@ -554,9 +556,12 @@ def test_colour_row_kernel_only_for_whole_blocks_of_8(width, keep, row_kernel):
         ((5, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "float32", True),
         ((16, 32, 3), (1, 2), (8, 3), (8, 3), "uint8", True),  # NWC: colour + W is the only pass
         ((2, 8, 8, 16, 3), (2, 3, 4), (8, 8, 3), (8, 8, 3), "uint16", True),  # NZYXC
+        ((4, 32, 32, 3), (1, 2), (8, 8), (8, 8), "uint8", True),  # no colour axis: the identity as colour
+        ((8, 16, 16, 3), (0, 1, 2), (8, 8, 8), (8, 8, 8), "float16", True),
         ((3, 16, 29, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "uint8", False),  # an edge block: moved by a copy
-        ((4, 32, 32, 3), (1, 2), (8, 8), (8, 8), "uint8", False),  # no colour pass
-        ((8, 16, 16, 3), (0, 1, 2), (8, 8, 8), (8, 8, 8), "float16", False),
+        ((4, 32, 29, 3), (1, 2), (8, 8), (8, 8), "uint8", False),
+        ((4, 32, 32, 3), (1, 2), (8, 8), (8, 6), "uint8", False),  # 6 bands kept
+        ((4, 32, 32, 4), (1, 2), (8, 8), (8, 8), "uint8", False),  # 4 channels
     ],
 )
 def test_channels_first_output_is_the_output_with_its_last_axis_moved(shape, axes, block, keep, dtype, in_kernels,
