@@ -10,7 +10,9 @@ at each boundary). Within a batch, samples are grouped by chunk so each group is
 Pipeline. Background threads read, check and decode chunks (numba kernels that release the GIL); one more
 thread gathers the samples of each batch into a contiguous array, converting them to the output
 layout, dtype and normalisation in the same pass (float32 output; other conversions are made on the whole
-chunk in the decoding thread). ``prefetch`` batches are built ahead while the training step runs, decoding
+chunk in the decoding thread). Channels-last arrays yielded channels-first are decoded channels-first
+(``decode_chunk(..., channels_first=True)``): the gather then reads contiguous colour planes, where
+deinterleaving NHWC samples cost it about 8x more. ``prefetch`` batches are built ahead while the training step runs, decoding
 runs up to ``window`` chunks ahead of the batches, and a decoded chunk is dropped after the last batch that
 uses it. Decoded chunks and batches go into arrays handed out before and no longer referenced anywhere
 (:class:`_RecycledArrays`) when there are some, else new ones.
