@@ -487,12 +487,11 @@ def _is_rows8(p: AxisPlan, n_inner: int) -> bool:
     return n_inner == 1 and p.block == 8 and p.keep == 8 and p.length >= 8
 
 
-# NHWC images whose W axis is whole blocks of 8 keeping 8 bands (32x32 RGB): the colour product and the pass
-# over W as three cheap vectorised loops instead of _inverse_tiled_rows3's scalar transposes. Per tile of rows,
-# the colour product splits the pixels into three colour planes (loads interleaved by 3 vectorise), the
-# planes' blocks go through _inverse_blocks8 and are interleaved back. The same products in the same order:
-# bit-identical, about 1.9x faster. Whole-row tiles keep each row's blocks in one plane's run; tiles of TILE
-# rows measured as fast as whole slabs.
+# NHWC images whose W axis is in blocks of 8 keeping 8 bands (32x32 RGB; photos of any width): the colour
+# product and the pass over W as cheap vectorised loops instead of _inverse_tiled_rows3's scalar transposes.
+# Per tile of rows, the colour product splits the pixels into three colour planes (loads interleaved by 3
+# vectorise), each plane's rows go through _inverse_rows8 (whole blocks in one vectorised loop; an edge block
+# per row) and the planes are interleaved back. Tiles of TILE rows measured as fast as whole slabs.
 @numba.njit(inline="always")
 def _colour_planes(x, planes, colour):  # pragma: no cover - compiled
     """The 3x3 colour product of the interleaved pixels ``x`` into three planes of ``k`` values at the start of
@@ -510,47 +509,52 @@ def _colour_planes(x, planes, colour):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _inverse_rows3x8(src, dst, colour, mat, lo, hi, is_int):  # pragma: no cover - compiled
-    """dst[o, 3 * j + i] = sum_r mat[r, j] * sum_c colour[c, i] * src[o, 3 * r + c] per block of 8 pixels."""
-    n_outer, n = src.shape
+def _inverse_rows3x8(src, dst, colour, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+    """dst[o, 3 * j + i] = sum_r mat[r, j] * sum_c colour[c, i] * src[o, 3 * r + c], block by block."""
+    n_outer, n_in = src.shape
+    kept, length = n_in // 3, dst.shape[1] // 3
     m = _square8(mat)
     zero = np.zeros(1, dtype=mat.dtype)[0]
-    planes = np.empty(TILE * n, dtype=mat.dtype)
-    done = np.empty(TILE * n, dtype=mat.dtype)
+    planes = np.empty(TILE * n_in, dtype=mat.dtype)
+    done = np.empty(TILE * 3 * length, dtype=mat.dtype)
     for o0 in range(0, n_outer, TILE):
-        x = src[o0 : o0 + TILE].reshape(-1)
-        y = dst[o0 : o0 + TILE].reshape(-1)
-        k = _colour_planes(x, planes, colour)
-        _inverse_blocks8(planes, done, 3 * k // 8, m, zero, lo, hi, is_int)  # rounded here: vectorised
-        q0, q1, q2 = done[:k], done[k : 2 * k], done[2 * k : 3 * k]
-        for w in range(k):
+        rows = min(TILE, n_outer - o0)
+        y = dst[o0 : o0 + rows].reshape(-1)
+        k = _colour_planes(src[o0 : o0 + rows].reshape(-1), planes, colour)
+        n = rows * length
+        if length % 8 == 0:  # whole blocks: the three planes in one loop (rounded here: vectorised)
+            _inverse_blocks8(planes, done, 3 * k // 8, m, zero, lo, hi, is_int)
+        else:
+            for c in range(3):
+                _inverse_rows8(planes[c * k : (c + 1) * k].reshape(rows, kept),
+                               done[c * n : (c + 1) * n].reshape(rows, length), mat, block_rows, lo, hi, is_int)
+        q0, q1, q2 = done[:n], done[n : 2 * n], done[2 * n : 3 * n]
+        for w in range(n):
             y[3 * w], y[3 * w + 1], y[3 * w + 2] = q0[w], q1[w], q2[w]
 
 
 # The same pass writing channels-first (planar) output, for a loader that yields channels-first batches: a
-# tile's three colour planes are already planar, so each goes through _inverse_blocks8 straight into its
-# place in ``dst`` (a sample's rows of one colour are contiguous there), with no interleaving loop; and the
+# tile's three colour planes are already planar, so each goes through _inverse_rows8 straight into its place
+# in ``dst`` (a sample's rows of one colour are contiguous there), with no interleaving loop; and the
 # loader's gather then converts contiguous runs (vectorised) instead of deinterleaving by 3 (about 8x slower).
 @numba.njit(nogil=True, cache=True)
-def _inverse_rows3x8_planar(src, dst, colour, mat, lo, hi, is_int):  # pragma: no cover - compiled
-    """dst[n, i, h, j] = sum_r mat[r, j] * sum_c colour[c, i] * src[n, h, 3 * r + c] per block of 8 pixels."""
-    n_samples, n_rows, n = src.shape
+def _inverse_rows3x8_planar(src, dst, colour, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+    """dst[n, i, h, j] = sum_r mat[r, j] * sum_c colour[c, i] * src[n, h, 3 * r + c], block by block."""
+    n_samples, n_rows, n_in = src.shape
+    kept, length = n_in // 3, dst.shape[3]
     m = _square8(mat)
     zero = np.zeros(1, dtype=mat.dtype)[0]
-    planes = np.empty(TILE * n, dtype=mat.dtype)
+    planes = np.empty(TILE * n_in, dtype=mat.dtype)
     for s in range(n_samples):
         for h0 in range(0, n_rows, TILE):
             h1 = min(h0 + TILE, n_rows)
             k = _colour_planes(src[s, h0:h1].reshape(-1), planes, colour)
-            p0, p1, p2 = planes[:k], planes[k : 2 * k], planes[2 * k : 3 * k]
-            _inverse_blocks8(p0, dst[s, 0, h0:h1].reshape(-1), k // 8, m, zero, lo, hi, is_int)
-            _inverse_blocks8(p1, dst[s, 1, h0:h1].reshape(-1), k // 8, m, zero, lo, hi, is_int)
-            _inverse_blocks8(p2, dst[s, 2, h0:h1].reshape(-1), k // 8, m, zero, lo, hi, is_int)
-
-
-def _is_blocks8(p: AxisPlan) -> bool:
-    """Whole blocks of 8 keeping 8 bands: no edge block."""
-    return p.block == 8 and p.keep == 8 and p.length >= 8 and p.length % 8 == 0
+            for c in range(3):
+                plane, out = planes[c * k : (c + 1) * k], dst[s, c, h0:h1]
+                if length % 8 == 0:  # whole blocks: the plane's rows in one loop
+                    _inverse_blocks8(plane, out.reshape(-1), k // 8, m, zero, lo, hi, is_int)
+                else:
+                    _inverse_rows8(plane.reshape(h1 - h0, kept), out, mat, block_rows, lo, hi, is_int)
 
 
 # A last axis of exactly 3 kept whole (the RGB colour axis): a 3x3 product per row, unrolled. The tiled kernel
@@ -984,10 +988,10 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
     """The kernel calls of :func:`inverse`, worked out once per setting (a decoder calls it once per slab):
     ``(kernel, source view, output shape, output view, output dtype, kernel arguments)`` per pass, and whether
     they leave the result channels-first (only asked for with ``channels_first``, and only where the colour
-    pass goes with a last pass over blocks of 8, :func:`_inverse_rows3x8_planar`).
+    pass goes with a last pass over blocks of 8 keeping 8, :func:`_inverse_rows3x8_planar`).
 
     A colour axis (the last, 3 kept of 3) is not a pass of its own: its 3x3 product is done while reading the
-    next pass's input (over W). When W is whole blocks of 8, that colour + W pass runs last, after the passes
+    next pass's input (over W). When W is blocks of 8 keeping 8, that colour + W pass runs last, after the passes
     over the other axes: its output is written with contiguous runs per colour plane (vectorised; with
     ``channels_first`` straight into place), where a last pass over H would write rows of interleaved colours
     of only W samples per plane: 1.2x faster for NHWC and 1.7x for NCHW output (32x32 RGB). The passes commute
@@ -1005,9 +1009,9 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
             and passes[1][0] == passes[0][0] - 1 and math.prod(shape[: passes[1][0]]) >= threads):
         colour, colour_axis = passes[0][1].matrix.astype(wdt), passes[1][0]  # split by rows if threaded
         passes = passes[1:]
-        if _is_blocks8(passes[0][1]):
+        if _is_rows8(passes[0][1], 1):
             passes = passes[1:] + passes[:1]
-    elif (shape[-1] == 3 and passes[0][0] == len(shape) - 2 and _is_blocks8(passes[0][1])
+    elif (shape[-1] == 3 and passes[0][0] == len(shape) - 2 and _is_rows8(passes[0][1], 1)
           and math.prod(shape[: len(shape) - 2]) >= threads):
         colour, colour_axis = np.eye(3, dtype=wdt), passes[0][0]
         passes = passes[1:] + passes[:1]
@@ -1027,13 +1031,13 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
             lo, hi, is_int = wdt.type(0), wdt.type(0), False  # float64 would widen _store's result: rows8 1.4x slower
         mat = p.matrix.astype(wdt)
         args = (mat, p.block_rows, lo, hi, is_int)
-        if a == colour_axis and _is_blocks8(p) and channels_first:
+        if a == colour_axis and _is_rows8(p, 1) and channels_first:
             rows = math.prod(shape[1:a])
             kernel, src_view, dst_view = _inverse_rows3x8_planar, (shape[0], rows, 3 * kept), (shape[0], 3, rows, p.length)
-            args, planar = (colour, mat, lo, hi, is_int), True
-        elif a == colour_axis and _is_blocks8(p):
+            args, planar = (colour, *args), True
+        elif a == colour_axis and _is_rows8(p, 1):
             kernel, src_view, dst_view = _inverse_rows3x8, (n_outer, 3 * kept), (n_outer, 3 * p.length)
-            args = (colour, mat, lo, hi, is_int)
+            args = (colour, *args)
         elif a == colour_axis:
             kernel, src_view, dst_view = _inverse_tiled_rows3, (n_outer, kept, 3), (n_outer, p.length, 3)
             args = (colour, *args)

@@ -56,6 +56,7 @@ CASES = [
     # it, the same kernel with the identity as colour matrix
     ((2, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3)),
     ((2, 16, 24, 3), (1, 2), (8, 8), (8, 8)),
+    ((2, 16, 29, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3)),  # ... with an edge block of 5
 ]
 CASE_IDS = ["x".join(map(str, c[0])) + "-ax" + "".join(map(str, c[1])) for c in CASES]
 
@@ -508,35 +509,37 @@ def test_row_kernels_equal_the_tiled_kernels(length, dtype):
     np.testing.assert_array_equal(fast_out, tiled_out[..., 0])
 
 
+@pytest.mark.parametrize("width", [32, 29])  # whole blocks; an edge block of 5
 @pytest.mark.parametrize("dtype", ["uint8", "int16", "float32"])
 @pytest.mark.parametrize("n_outer", [5, 150])  # one tile; three, the last one partial
-def test_colour_row_kernel_equals_the_tiled_kernel(n_outer, dtype):
-    """NHWC rows in whole blocks of 8: the row kernels, interleaved and channels-first, are bit-identical to the
-    tiled one, integers rounded and clipped (values far outside the range clip)."""
+def test_colour_row_kernel_equals_the_tiled_kernel(n_outer, dtype, width):
+    """NHWC rows in blocks of 8 keeping 8, the edge block too: the row kernels, interleaved and channels-first,
+    are bit-identical to the tiled one, integers rounded and clipped (values far outside the range clip)."""
     dtype = np.dtype(dtype)
-    coefficients = np.random.default_rng(n_outer).standard_normal((n_outer, 32, 3)).astype(np.float32) * 300
+    coefficients = np.random.default_rng(n_outer).standard_normal((n_outer, width, 3)).astype(np.float32) * 300
     coefficients[0, 0] = [0.5, 1.5, -0.5]  # ties
     colour = transform.axis_plan(3, 3, 3).matrix.astype(np.float32)
-    p = transform.axis_plan(32, 8, 8)
+    p = transform.axis_plan(width, 8, 8)
     mat = p.matrix.astype(np.float32)
     limits = (np.float32(0), np.float32(0), False)
     if dtype.kind in "iu":
         limits = (np.float32(np.iinfo(dtype).min), np.float32(np.iinfo(dtype).max), True)
-    planar, tiled = np.empty((n_outer, 96), dtype), np.empty((n_outer, 32, 3), dtype)
-    transform._inverse_rows3x8(coefficients.reshape(n_outer, 96), planar, colour, mat, *limits)
+    rows, tiled = np.empty((n_outer, 3 * width), dtype), np.empty((n_outer, width, 3), dtype)
+    transform._inverse_rows3x8(coefficients.reshape(n_outer, -1), rows, colour, mat, p.block_rows, *limits)
     transform._inverse_tiled_rows3(coefficients, tiled, colour, mat, p.block_rows, *limits)
-    np.testing.assert_array_equal(planar.reshape(tiled.shape), tiled)
+    np.testing.assert_array_equal(rows.reshape(tiled.shape), tiled)
     samples = 5 if n_outer % 5 == 0 else 1  # 150 rows: 5 samples of 30; 5 rows: 1 sample
-    channels_first = np.empty((samples, 3, n_outer // samples, 32), dtype)
-    transform._inverse_rows3x8_planar(coefficients.reshape(samples, -1, 96), channels_first, colour, mat, *limits)
-    np.testing.assert_array_equal(channels_first.transpose(0, 2, 3, 1).reshape(tiled.shape), tiled)
+    channels_first = np.empty((samples, 3, n_outer // samples, width), dtype)
+    transform._inverse_rows3x8_planar(coefficients.reshape(samples, n_outer // samples, -1), channels_first, colour,
+                                      mat, p.block_rows, *limits)
+    np.testing.assert_array_equal(channels_first.transpose(0, 2, 3, 1).reshape(rows.shape), rows)
 
 
 @pytest.mark.parametrize(
     "width, keep, row_kernel",
-    [(32, 8, True), (29, 8, False), (32, 6, False)],  # an edge block or fewer bands: the tiled kernel
+    [(32, 8, True), (29, 8, True), (32, 6, False)],  # fewer bands: the tiled kernel
 )
-def test_colour_row_kernel_only_for_whole_blocks_of_8(width, keep, row_kernel):
+def test_colour_row_kernel_only_for_blocks_of_8_keeping_8(width, keep, row_kernel):
     plan = make_plan((4, 16, width, 3), (1, 2, 3), (8, 8, 3), (8, keep, 3))
     passes, _ = transform._inverse_passes(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, "|u1", 1)
     kernels = [call[0] for call in passes]
@@ -558,9 +561,10 @@ def test_colour_row_kernel_only_for_whole_blocks_of_8(width, keep, row_kernel):
         ((2, 8, 8, 16, 3), (2, 3, 4), (8, 8, 3), (8, 8, 3), "uint16", True),  # NZYXC
         ((4, 32, 32, 3), (1, 2), (8, 8), (8, 8), "uint8", True),  # no colour axis: the identity as colour
         ((8, 16, 16, 3), (0, 1, 2), (8, 8, 8), (8, 8, 8), "float16", True),
-        ((3, 16, 29, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "uint8", False),  # an edge block: moved by a copy
-        ((4, 32, 29, 3), (1, 2), (8, 8), (8, 8), "uint8", False),
-        ((4, 32, 32, 3), (1, 2), (8, 8), (8, 6), "uint8", False),  # 6 bands kept
+        ((3, 16, 29, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "uint8", True),  # an edge block
+        ((4, 32, 29, 3), (1, 2), (8, 8), (8, 8), "uint8", True),
+        ((4, 32, 32, 3), (1, 2), (8, 8), (8, 6), "uint8", False),  # 6 bands kept: moved by a copy
+        ((3, 16, 5, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "uint8", False),  # no whole block of 8
         ((4, 32, 32, 4), (1, 2), (8, 8), (8, 8), "uint8", False),  # 4 channels
     ],
 )
