@@ -440,25 +440,94 @@ def _inverse_blocks8_loop(x, y, n_blocks, m, zero, lo, hi, is_int):  # pragma: n
 
 
 # Without an edge block the rows' blocks follow one another in memory and run as one loop: rows of a few
-# blocks (32-sample volumes: 4) are too short for the vectorised loop on their own.
+# blocks (32-sample volumes: 4) are too short for the vectorised loop on their own. Rows with an edge block
+# (widths not a multiple of 8) go TILE rows at a time: their whole blocks are transformed in place when a row
+# has 8 or more, else copied into one contiguous run first (the 3 whole blocks of a 28-wide row are too few to
+# vectorise), and the edge block is transposed into a small tile and transformed across the tile's rows. Row by
+# row with scalar sums for the edge, 28-wide rows took 4.7x (forward), 2.5x (inverse to float32) and 9x
+# (inverse to uint8) as long. The copies are explicit loops: numba's slice assignment measured 3x slower.
+@numba.njit(inline="always")
+def _rows_to_run(a, o0, rows, n, run):  # pragma: no cover - compiled
+    """``run[t * n : (t + 1) * n] = a[o0 + t, :n]`` for the tile's rows."""
+    for t in range(rows):
+        x = a[o0 + t]
+        for i in range(n):
+            run[t * n + i] = x[i]
+
+
+@numba.njit(inline="always")
+def _run_to_rows(run, a, o0, rows, n):  # pragma: no cover - compiled
+    """Inverse of :func:`_rows_to_run`."""
+    for t in range(rows):
+        y = a[o0 + t]
+        for i in range(n):
+            y[i] = run[t * n + i]
+
+
+@numba.njit(inline="always")
+def _forward_edge_block(src, dst, o0, rows, mat, start, width, first, tile, acc, zero):  # pragma: no cover - compiled
+    """Outputs ``first ..`` (the edge block's) of rows ``o0 .. o0 + rows``, vectorised across the rows."""
+    s0 = start[first]
+    for j in range(src.shape[1] - s0):
+        for t in range(rows):
+            tile[j, t] = src[o0 + t, s0 + j]
+    for r in range(first, dst.shape[1]):
+        for t in range(TILE):
+            acc[t] = zero
+        for j in range(width[r]):
+            m, k = mat[r, j], start[r] - s0 + j
+            for t in range(TILE):
+                acc[t] += m * tile[k, t]
+        for t in range(rows):
+            dst[o0 + t, r] = acc[t]
+
+
 @numba.njit(nogil=True, cache=True)
 def _forward_rows8(src, dst, mat, start, width):  # pragma: no cover - compiled
     """Forward pass over a contiguous axis, blocks of 8 keeping 8 bands: src (outer, length), dst (outer, kept)."""
     n_outer, length = src.shape
     n_full = length // 8
+    full = 8 * n_full
     m = _square8(mat)
     zero = np.zeros(1, dtype=mat.dtype)[0]
-    if 8 * n_full == length:
+    if full == length:
         _forward_blocks8(src.reshape(-1), dst.reshape(-1), n_outer * n_full, m, zero)
         return
-    for o in range(n_outer):
-        x, y = src[o], dst[o]
-        _forward_blocks8(x, y, n_full, m, zero)
-        for r in range(8 * n_full, dst.shape[1]):  # the edge block
-            acc = zero
-            for j in range(width[r]):
-                acc += mat[r, j] * x[start[r] + j]
-            y[r] = acc
+    tile = np.zeros((8, TILE), dtype=mat.dtype)
+    acc = np.empty(TILE, dtype=mat.dtype)
+    if n_full >= 8:
+        for o0 in range(0, n_outer, TILE):
+            rows = min(TILE, n_outer - o0)
+            for t in range(rows):
+                _forward_blocks8(src[o0 + t], dst[o0 + t], n_full, m, zero)
+            _forward_edge_block(src, dst, o0, rows, mat, start, width, full, tile, acc, zero)
+        return
+    run_in, run_out = np.empty(TILE * full, dtype=src.dtype), np.empty(TILE * full, dtype=dst.dtype)
+    for o0 in range(0, n_outer, TILE):
+        rows = min(TILE, n_outer - o0)
+        _rows_to_run(src, o0, rows, full, run_in)
+        _forward_blocks8(run_in, run_out, rows * n_full, m, zero)
+        _run_to_rows(run_out, dst, o0, rows, full)
+        _forward_edge_block(src, dst, o0, rows, mat, start, width, full, tile, acc, zero)
+
+
+@numba.njit(inline="always")
+def _inverse_edge_block(src, dst, o0, rows, mat, block_rows, tile, acc, zero, lo, hi,
+                        is_int):  # pragma: no cover - compiled
+    """The edge block (the last of ``block_rows``) of rows ``o0 .. o0 + rows``, vectorised across the rows."""
+    r0, nr, s0, w = block_rows[-1, 0], block_rows[-1, 1], block_rows[-1, 2], block_rows[-1, 3]
+    for r in range(nr):
+        for t in range(rows):
+            tile[r, t] = src[o0 + t, r0 + r]
+    for j in range(w):
+        for t in range(TILE):
+            acc[t] = zero
+        for r in range(nr):
+            m = mat[r0 + r, j]
+            for t in range(TILE):
+                acc[t] += m * tile[r, t]
+        for t in range(rows):
+            dst[o0 + t, s0 + j] = _store(acc[t], lo, hi, is_int)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -466,21 +535,28 @@ def _inverse_rows8(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cov
     """Inverse of :func:`_forward_rows8`: src (outer, kept), dst (outer, length)."""
     n_outer, length = dst.shape
     n_full = length // 8
+    full = 8 * n_full
     m = _square8(mat)
     zero = np.zeros(1, dtype=mat.dtype)[0]
-    if 8 * n_full == length:
+    if full == length:
         _inverse_blocks8(src.reshape(-1), dst.reshape(-1), n_outer * n_full, m, zero, lo, hi, is_int)
         return
-    for o in range(n_outer):
-        x, y = src[o], dst[o]
-        _inverse_blocks8(x, y, n_full, m, zero, lo, hi, is_int)
-        for b in range(n_full, block_rows.shape[0]):  # the edge block
-            r0, nr, s0, w = block_rows[b, 0], block_rows[b, 1], block_rows[b, 2], block_rows[b, 3]
-            for j in range(w):
-                acc = zero
-                for r in range(r0, r0 + nr):
-                    acc += mat[r, j] * x[r]
-                y[s0 + j] = _store(acc, lo, hi, is_int)
+    tile = np.zeros((8, TILE), dtype=mat.dtype)
+    acc = np.empty(TILE, dtype=mat.dtype)
+    if n_full >= 8:
+        for o0 in range(0, n_outer, TILE):
+            rows = min(TILE, n_outer - o0)
+            for t in range(rows):
+                _inverse_blocks8(src[o0 + t], dst[o0 + t], n_full, m, zero, lo, hi, is_int)
+            _inverse_edge_block(src, dst, o0, rows, mat, block_rows, tile, acc, zero, lo, hi, is_int)
+        return
+    run_in, run_out = np.empty(TILE * full, dtype=src.dtype), np.empty(TILE * full, dtype=dst.dtype)
+    for o0 in range(0, n_outer, TILE):
+        rows = min(TILE, n_outer - o0)
+        _rows_to_run(src, o0, rows, full, run_in)
+        _inverse_blocks8(run_in, run_out, rows * n_full, m, zero, lo, hi, is_int)
+        _run_to_rows(run_out, dst, o0, rows, full)
+        _inverse_edge_block(src, dst, o0, rows, mat, block_rows, tile, acc, zero, lo, hi, is_int)
 
 
 def _is_rows8(p: AxisPlan, n_inner: int) -> bool:

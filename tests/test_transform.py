@@ -485,27 +485,30 @@ def test_threads_give_identical_results(shape, axes, block, keep, mask, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("length", [8, 29, 256])
-def test_row_kernels_equal_the_tiled_kernels(length, dtype):
+# lengths: one block; 3 whole blocks and an edge block of 5 (whole blocks copied to one run); 8 and an edge
+# block (whole blocks in place); whole blocks only. Rows: one partial tile; two tiles and a partial one.
+@pytest.mark.parametrize("rows", [5, 2 * transform.TILE + 3])
+@pytest.mark.parametrize("length", [8, 29, 69, 256])
+def test_row_kernels_equal_the_tiled_kernels(length, rows, dtype):
     """The unrolled kernels for a contiguous axis in blocks of 8 sum in the tiled kernels' order: bit-identical,
     rounding and clipping of integers included (values far outside the range clip)."""
-    x = random_data(np.random.default_rng(length), (5, length), dtype)
+    x = random_data(np.random.default_rng(length + rows), (rows, length), dtype)
     p = transform.axis_plan(length, 8, 8)
     wdt = transform.work_dtype(x.dtype)
     mat = p.matrix.astype(wdt)
     src = x.astype(wdt)
-    fast, tiled = np.empty((5, p.kept), wdt), np.empty((5, p.kept, 1), wdt)
+    fast, tiled = np.empty((rows, p.kept), wdt), np.empty((rows, p.kept, 1), wdt)
     transform._forward_rows8(src, fast, mat, p.start, p.width)
-    transform._forward_tiled(src.reshape(5, length, 1), tiled, mat, p.start, p.width)
+    transform._forward_tiled(src.reshape(rows, length, 1), tiled, mat, p.start, p.width)
     np.testing.assert_array_equal(fast, tiled[..., 0])
     coefficients = fast * 3  # pushes integer reconstructions past their range
     limits = (0.0, 0.0, False)
     if x.dtype.kind in "iu":
         limits = (float(np.iinfo(x.dtype).min), float(np.iinfo(x.dtype).max), True)
     out_dtype = x.dtype if x.dtype.kind in "iu" else wdt
-    fast_out, tiled_out = np.empty((5, length), out_dtype), np.empty((5, length, 1), out_dtype)
+    fast_out, tiled_out = np.empty((rows, length), out_dtype), np.empty((rows, length, 1), out_dtype)
     transform._inverse_rows8(coefficients, fast_out, mat, p.block_rows, *limits)
-    transform._inverse_tiled(coefficients.reshape(5, p.kept, 1), tiled_out, mat, p.block_rows, *limits)
+    transform._inverse_tiled(coefficients.reshape(rows, p.kept, 1), tiled_out, mat, p.block_rows, *limits)
     np.testing.assert_array_equal(fast_out, tiled_out[..., 0])
 
 
