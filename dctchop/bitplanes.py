@@ -173,10 +173,11 @@ def _run_value(high, signed, lo_bytes, hi_bytes, i):  # pragma: no cover - compi
 
 @numba.njit(inline="always")
 def _run_buffers(seg_starts):  # pragma: no cover - compiled
-    """Words for the longest run, and their int8 / uint8 views."""
+    """Words for the longest run (and a piece of one starting up to 7 values into a group), and their int8 /
+    uint8 views."""
     longest = longest_run(seg_starts)
-    lo_words = np.zeros((longest + 7) // 8, dtype=np.uint64)
-    hi_words = np.zeros((longest + 7) // 8, dtype=np.uint64)
+    lo_words = np.zeros((longest + 14) // 8, dtype=np.uint64)
+    hi_words = np.zeros((longest + 14) // 8, dtype=np.uint64)
     return lo_words, hi_words, lo_words.view(np.int8), lo_words.view(np.uint8), hi_words.view(np.uint8)
 
 
@@ -212,18 +213,19 @@ def _unpack_dequantize(planes, offsets, run_starts, masks, n_bytes, first, seg_s
                        out):  # pragma: no cover - compiled
     """``out[seg_starts[s] + i] = value * step`` for a piece of every run ``s``: the int values are never
     stored. The piece holds the values from storage position ``first[s]`` of the chunk's run ``s``, which starts
-    at ``run_starts[s]`` (8 values to a group) and whose planes start at ``offsets[s]``."""
+    at ``run_starts[s]`` (8 values to a group) and whose planes start at ``offsets[s]``; a piece starting inside
+    a group decodes the whole group and skips the values before it."""
     set_planes = np.empty((2, 8), dtype=np.int64)
     lo_words, hi_words, signed, lo_bytes, hi_bytes = _run_buffers(seg_starts)
     for s in range(seg_bands.size):
         start, n = seg_starts[s], seg_starts[s + 1] - seg_starts[s]
         groups = (run_starts[s + 1] - run_starts[s] + 7) // 8
-        g0 = (first[s] - run_starts[s]) // 8
-        high, _ = _decode_run(planes, offsets[s], groups, g0, (n + 7) // 8, masks[s], n_bytes, set_planes, lo_words,
-                              hi_words)
+        g0, skip = divmod(first[s] - run_starts[s], 8)
+        high, _ = _decode_run(planes, offsets[s], groups, g0, (skip + n + 7) // 8, masks[s], n_bytes, set_planes,
+                              lo_words, hi_words)
         step, dst = steps[seg_bands[s]], out[start : start + n]
         for i in range(n):
-            dst[i] = _run_value(high, signed, lo_bytes, hi_bytes, i) * step
+            dst[i] = _run_value(high, signed, lo_bytes, hi_bytes, skip + i) * step
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,7 @@ class Planes:
     itemsize: int
 
     def dequantize_into(self, steps, first, seg_starts, seg_bands, out) -> None:
-        """:func:`dctchop.quantize.dequantize_into` straight from the planes; each piece must start a group."""
+        """:func:`dctchop.quantize.dequantize_into` straight from the planes."""
         _unpack_dequantize(self.data, self.offsets, self.seg_starts, self.masks, self.itemsize, first, seg_starts,
                            seg_bands, steps, out)
 

@@ -948,8 +948,8 @@ def slabs(plan: TransformPlan, n_values: int) -> tuple[Slab, ...]:
 
     Decoding slab by slab keeps each slab's coefficients in cache from dequantization to the last inverse pass.
     Rows of an untransformed axis 0, or whole blocks of a transformed one, are independent; since the blocks of
-    a run follow the array's C order, a slab's values are a contiguous piece of every run. Each piece starts at
-    a multiple of 8 values (a bit-plane group). One slab, the chunk, when axis 0 ends in a partial block.
+    a run follow the array's C order, a slab's values are a contiguous piece of every run (which may start
+    inside a bit-plane group of 8 values). One slab, the chunk, when axis 0 ends in a partial block.
     Cached: a loader decodes many chunks of one shape, and cutting one costs about 1% of decoding it.
     """
     return _slabs(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, n_values)
@@ -969,8 +969,7 @@ def _slabs(shape, axes, block, keep, mask, n_values: int) -> tuple[Slab, ...]:
     unit_order = sub_plan(1).order
     runs = np.diff(unit_order[1])
     assert np.array_equal(unit_order[2], seg_bands) and np.array_equal(np.diff(seg_starts), runs * n_units)
-    align = 8 // math.gcd(8, *runs.tolist())
-    per_slab = max(align, n_values // max(math.prod(sub_plan(1).coefficient_shape), 1) // align * align)
+    per_slab = max(1, n_values // max(math.prod(sub_plan(1).coefficient_shape), 1))
     parts = []
     for u0 in range(0, n_units, per_slab):
         units = min(per_slab, n_units - u0)
