@@ -219,6 +219,8 @@ def _unpack_dequantize(planes, offsets, run_starts, masks, n_bytes, first, seg_s
     lo_words, hi_words, signed, lo_bytes, hi_bytes = _run_buffers(seg_starts)
     for s in range(seg_bands.size):
         start, n = seg_starts[s], seg_starts[s + 1] - seg_starts[s]
+        if n == 0:  # a run with no block in the slab
+            continue
         groups = (run_starts[s + 1] - run_starts[s] + 7) // 8
         g0, skip = divmod(first[s] - run_starts[s], 8)
         high, _ = _decode_run(planes, offsets[s], groups, g0, (skip + n + 7) // 8, masks[s], n_bytes, set_planes,

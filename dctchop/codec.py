@@ -375,6 +375,7 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
         out = np.empty(channels_first_shape(shape) if channels_first else shape, dtype)
     parts = slabs(plan, SLAB_VALUES)
     inner_threads = threads if len(parts) == 1 else 1
+    seg_bands = plan.order[2]
 
     def run(part_list) -> None:
         buffers = {}
@@ -385,10 +386,13 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
                 image = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
                 buffers[p.shape] = np.empty(p.n_values, work_dtype(dtype)), image
             values, image = buffers[p.shape]
-            _, seg_starts, seg_bands = p.order
-            fill(part.first, seg_starts, seg_bands, values)
+            fill(part.first, part.seg_starts, seg_bands, values)
             place(values, p, image.reshape(-1))
-            inverse(image, p, dtype, inner_threads, out=out[part.start : part.stop], channels_first=channels_first)
+            target = out[part.region(channels_first)]
+            if target.flags.c_contiguous:
+                inverse(image, p, dtype, inner_threads, out=target, channels_first=channels_first)
+            else:  # a strip of a channels-first sample
+                target[...] = inverse(image, p, dtype, inner_threads, channels_first=channels_first)
 
     n_jobs = min(threads, len(parts))
     if n_jobs <= 1:

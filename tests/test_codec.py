@@ -140,6 +140,9 @@ SLAB_CASES = [
     ("float32", (20, 10, 12), (0, 2), (8, 6), (4, 6), "square", "int16"),  # axis 0 ends in a partial block
     ("uint16", (9, 13, 10), (1, 2), (4, 4), (4, 3), "square", "bfloat16"),
     ("float16", (9, 13, 10), (1, 2), (4, 4), (4, 3), "triangle", "float16"),
+    ("uint8", (1, 45, 37, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "int16"),  # one photo: strips, edge rows
+    ("float32", (2, 20, 16, 16), (1, 2, 3), (8, 8, 8), (6, 6, 6), "triangle", "int8"),  # volumes: strips of Z
+    ("uint16", (1, 30, 10), (2,), (4,), (3,), "square", "int16"),  # axis 1 untransformed: strips of rows
 ]
 
 
@@ -165,9 +168,29 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
     monkeypatch.setattr(codec_module, "SLAB_VALUES", 200)
     parts = slabs(chunk.plan, 200)
     assert (len(parts) > 1) == (axes[0] > 0 or shape[0] % block[0] == 0)
+    per_sample = math.prod(chunk.plan.coefficient_shape[1:])
+    assert any(p.rows for p in parts) == (axes[0] > 0 and per_sample > 200)  # samples cut into strips
     if axes == (1, 2, 3):  # 1 to 6 blocks of a kind per sample: pieces of runs start inside bit-plane groups
         assert any(np.any((p.first - seg_starts[:-1]) % 8) for p in parts)
     np.testing.assert_array_equal(decode_chunk(data, shape, dtype, threads), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("channels_first", [False, True])
+def test_strips_decode_like_one_slab(channels_first, threads, monkeypatch):
+    """A sample bigger than a slab decodes in strips of block rows bit for bit as in one slab, also
+    channels-first, where a strip of the decoded chunk is not contiguous."""
+    import dctchop.codec as codec_module
+
+    x = np.stack([smooth_uint8_stack(seed=c, n=2, h=45, w=37) for c in range(3)], axis=-1)
+    data = encode_chunk(x, ChunkSettings(axes=(1, 2, 3), block=(8, 8, 3), keep=(8, 8, 3), precision="int16"))
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", 1 << 30)
+    whole = decode_chunk(data, x.shape, x.dtype, threads, channels_first=channels_first)
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", 2000)
+    out = np.empty_like(whole)
+    assert decode_chunk(data, x.shape, x.dtype, threads, out=out, channels_first=channels_first) is out
+    np.testing.assert_array_equal(out, whole)
+    assert np.mean(np.abs(out.astype(float) - (np.moveaxis(x, -1, 1) if channels_first else x))) < 2
 
 
 @pytest.mark.parametrize("precision", ["int16", "float16"])  # bit planes; plain stored values
