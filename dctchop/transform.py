@@ -961,13 +961,12 @@ def slabs(plan: TransformPlan, n_values: int) -> tuple[Slab, ...]:
     """The chunk cut into slabs of about ``n_values`` coefficients that decode independently.
 
     Decoding slab by slab keeps each slab's coefficients in cache from dequantization to the last inverse pass.
-    Slabs are rows of an untransformed axis 0 (samples), or whole blocks of a transformed one; a sample with
-    more than ``n_values`` coefficients (a photo) is cut into strips of whole blocks (or rows) of axis 1, the
-    last strip taking the edge rows: 1.25x faster than one slab for 512x512 RGB photos. The blocks of a run
-    follow the array's C order, so a slab's values are a contiguous piece of every run (which may start inside
-    a bit-plane group of 8 values). One slab, the chunk, when axis 0 ends in a partial block. Cached per chunk
-    shape: cutting a chunk costs about what decoding five of them does (less than working out its storage
-    order, which a decode needs anyway).
+    Slabs are rows of an untransformed axis 0 (samples), or whole blocks of a transformed one, the last slab
+    taking the edge block; a sample with more than ``n_values`` coefficients (a photo) is cut into strips of
+    whole blocks (or rows) of axis 1 the same way. The blocks of a run follow the array's C order, so a slab's
+    values are a contiguous piece of every run (which may start inside a bit-plane group of 8 values). Cached
+    per chunk shape: cutting a chunk costs about what decoding five of them does (less than working out its
+    storage order, which a decode needs anyway).
     """
     return _slabs(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, n_values)
 
@@ -988,20 +987,23 @@ def _coefficient_row(plan: TransformPlan, axis: int, row: int) -> int:
 
 
 def _slab_boxes(plan: TransformPlan, n_values: int) -> list[tuple[int, int, tuple[int, int] | None]]:
-    """(start, stop, rows) of each slab; empty when axis 0 ends in a partial block."""
+    """(start, stop, rows) of each slab."""
     shape, cshape = plan.shape, plan.coefficient_shape
-    unit, n_units, _ = _units(plan, 0)
-    if shape[0] % unit:
-        return []
-    per_unit = math.prod(cshape) // max(n_units, 1)
+    unit, n_units, kept = _units(plan, 0)
+    per_unit = kept * math.prod(cshape[1:])
     if unit > 1 or per_unit <= n_values or len(shape) < 2:
-        step = max(1, n_values // max(per_unit, 1))
-        return [(u * unit, min(u + step, n_units) * unit, None) for u in range(0, n_units, step)]
+        return [(a, b, None) for a, b in _cuts(shape[0], unit, n_units, per_unit, n_values)]
     row_unit, n_rows, row_kept = _units(plan, 1)
-    n_strips = max(1, min(n_rows, -(-n_rows * row_kept * math.prod(cshape[2:]) // n_values)))  # of equal size
-    starts = [n_rows * k // n_strips * row_unit for k in range(n_strips)]
-    strips = list(zip(starts, starts[1:] + [shape[1]]))
+    strips = _cuts(shape[1], row_unit, n_rows, row_kept * math.prod(cshape[2:]), n_values)
     return [(i, i + 1, rows) for i in range(shape[0]) for rows in strips]
+
+
+def _cuts(length: int, unit: int, n_units: int, per_unit: int, n_values: int) -> list[tuple[int, int]]:
+    """An axis of ``length`` cut into ranges of whole units of about ``n_values`` coefficients, all of about the
+    same size; the last range also takes the edge (a partial block)."""
+    n = max(1, min(n_units, -(-n_units * per_unit // max(n_values, 1))))
+    starts = [n_units * k // n * unit for k in range(n)]
+    return list(zip(starts, starts[1:] + [length]))
 
 
 def _pieces(part: TransformPlan, storage: np.ndarray, offset: int, seg_starts: np.ndarray,
