@@ -51,9 +51,11 @@ def _quality(table: dict[str, np.ndarray]) -> dict[str, float]:
             "psnr_max": float(table["psnr"].max()), "max_abs_error": float(table["max_abs_error"].max())}
 
 
-def inspect_store(path: str | Path, chunks: bool = False) -> dict:
+def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | None = None) -> dict:
     """Per array: shape, dtype, axes, settings, original and stored bytes (everything on disk for the array,
-    its metadata included), ratio, PSNR over chunks, max abs error; plus totals."""
+    its metadata included), ratio, PSNR over chunks, max abs error; plus totals. With ``verify`` (a source
+    path) and no chunk damaged, also ``verify``: what :func:`verify_store` reports, without checking every
+    chunk file a second time."""
     group, info = open_store(path)
     location = Location(path)
     arrays = {}
@@ -81,11 +83,14 @@ def inspect_store(path: str | Path, chunks: bool = False) -> dict:
                           "original_bytes": int(arr.nbytes), "stored_bytes": location.size(name)}
     original = sum(a["original_bytes"] for a in arrays.values()) + sum(a["original_bytes"] for a in lossless.values())
     stored = location.size()
-    return {
+    report = {
         "store": str(path), "version": info.get("version"), "created": info.get("created"),
         "source": info.get("source"), "arrays": arrays, "lossless": lossless,
         "totals": {"original_bytes": original, "stored_bytes": stored, "ratio": original / stored},
     }
+    if verify is not None and not any(a["damaged_chunks"] for a in arrays.values()):
+        report["verify"] = _verify(group, info, verify)
+    return report
 
 
 def require_intact(path: str | Path, info: dict) -> None:
@@ -110,6 +115,11 @@ def verify_store(path: str | Path, source_path: str | Path) -> dict:
     metadata. Returns per array the number of chunks checked and the mismatches found."""
     group, info = open_store(path)
     require_intact(path, info)
+    return _verify(group, info, source_path)
+
+
+def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
+    """:func:`verify_store` of a store whose chunk files are known to be intact."""
     if info["source"]["kind"] == "npy" or str(source_path).lower().endswith(".npy"):
         source = open_source(str(source_path))  # one array: its name is the file's, whatever it is called now
         by_name = {a["source"]: source.lossy[0] for a in info["arrays"].values()} if source.lossy else {}

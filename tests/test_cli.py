@@ -760,6 +760,18 @@ def test_inspect_verify_float_json(data, field_store):
     assert a["psnr_min"] >= 60 - PSNR_TOL
 
 
+def test_inspect_with_verify_checks_the_chunk_files_once(data, field_store, monkeypatch):
+    """The damage check that inspect makes is the one verification relies on: not a second pass."""
+    import dctchop.inspect as inspect_module
+
+    checked = []
+    array_problems = inspect_module.array_problems
+    monkeypatch.setattr(inspect_module, "array_problems", lambda *args: checked.append(args[1]) or array_problems(*args))
+    report = inspect_module.inspect_store(field_store.store, verify=data.field_npy)
+    assert report["verify"] == {"data": {"chunks": 4, "mismatches": []}}
+    assert checked == ["data"]
+
+
 def test_inspect_verify_fails_against_modified_source(data, base, tmp_path):
     modified = tmp_path / "images.h5"
     shutil.copy(data.h5, modified)
