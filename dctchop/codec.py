@@ -155,7 +155,7 @@ def encode_coefficients(c: Coefficients, step: float | None) -> bytes:
     settings = replace(c.settings, step=step)
     steps = qz.choose_steps(c.maxabs, settings.precision, step, _weights(settings, c.plan))
     _, seg_starts, seg_bands = c.plan.order
-    stored = qz.quantize(c.values, steps, seg_starts, seg_bands, settings.precision)
+    stored = qz.quantize(c.values, steps, seg_starts, seg_bands, settings.precision, qz.dead_zone(c.dtype))
     return _serialize(c, settings, steps, stored)
 
 
@@ -190,13 +190,14 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
     plan, values, maxabs = c.plan, c.values, c.maxabs
     _, seg_starts, seg_bands = plan.order
     weights = _weights(settings, plan)
+    dead_zone = qz.dead_zone(x.dtype)
     rows = _counted_rows(x, plan.axes, valid_rows) if measure or settings.target_psnr is not None else None
     step, stored, stats = settings.step, None, None
     if settings.target_psnr is not None:
         step, target_sse, stored = _step_for_psnr(x, values, maxabs, plan, settings, weights, rows)
     steps = qz.choose_steps(maxabs, settings.precision, step, weights)
     if stored is None:
-        stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
+        stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision, dead_zone)
     if settings.target_psnr is not None:
         # The error model is exact in coefficient space; rounding and clipping integer outputs make the real
         # error differ slightly. Check the reconstruction itself and tighten the step until the target holds.
@@ -208,7 +209,7 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
                 break
             step *= PSNR_RETRY_FACTOR
             steps = qz.choose_steps(maxabs, settings.precision, step, weights)
-            stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision)
+            stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision, dead_zone)
     if measure and stats is None:
         y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
         stats = qz.error_stats(x, y, rows)
@@ -236,12 +237,12 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
     # Parseval: what the mask drops is sum x**2 - sum c**2; zero when every coefficient is kept
     dropped = 0.0 if values.size == x.size else max(qz.energy(x) - qz.energy(values), 0.0)
 
-    precision = settings.precision
+    precision, dead_zone = settings.precision, qz.dead_zone(x.dtype)
     last = {"step": None, "stored": None}
 
     def exact(step: float) -> float:  # keeps the quantized values: the last evaluation is usually the answer
         stored, error = qz.quantize_with_error(values, qz.choose_steps(maxabs, precision, step, weights),
-                                               seg_starts, seg_bands, precision)
+                                               seg_starts, seg_bands, precision, dead_zone)
         last.update(step=step, stored=stored)
         return math.log(max(dropped + error, 1e-300))
 
@@ -261,7 +262,7 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
         def estimate(step: float) -> float:
             steps = qz.choose_steps(maxabs, precision, step, weights)
             return math.log(max(dropped + scale * qz.coefficient_error(sub, steps, sub_starts, seg_bands,
-                                                                       precision), 1e-300))
+                                                                       precision, dead_zone), 1e-300))
 
         # aim at the middle of the accepted window, so the exact check below usually accepts at once
         step = _search(estimate, step, finest, coarsest, goal + math.log(1 - SEARCH_SLACK / 2),

@@ -175,6 +175,26 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
     np.testing.assert_array_equal(decode_chunk(data, shape, dtype, threads), expected)
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_integer_data_is_quantized_with_a_dead_zone(dtype):
+    """uint8 data rounds with the dead zone, float data to nearest; the decoder needs neither to know."""
+    from dctchop.codec import read_stored, transform_chunk
+
+    x = smooth_uint8_stack(n=6, h=24, w=32).astype(dtype)
+    settings = ChunkSettings(axes=(1, 2), block=(8, 8), keep=(8, 8), precision="int16", step=3.0)
+    c = transform_chunk(x, settings)
+    _, seg_starts, seg_bands = c.plan.order
+    steps = qz.choose_steps(c.maxabs, "int16", 3.0)
+    data = encode_chunk(x, settings)
+    expected = qz.quantize(c.values, steps, seg_starts, seg_bands, "int16", qz.DEAD_ZONE if dtype == "uint8" else 0.0)
+    np.testing.assert_array_equal(read_stored(data, x.shape, x.dtype).stored, expected)
+    values = qz.dequantize(expected, steps, seg_starts, seg_bands, "int16", np.float64)
+    reference = decompress_array(values, c.plan, np.float64)
+    if dtype == "uint8":
+        reference = np.clip(np.floor(reference + 0.5), 0, 255)
+    np.testing.assert_allclose(decode_chunk(data, x.shape, x.dtype), reference, atol=1 if dtype == "uint8" else 1e-3)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("channels_first", [False, True])
 def test_strips_decode_like_one_slab(channels_first, threads, monkeypatch):
