@@ -15,12 +15,12 @@ saturates (qmax = 127 or 32767). Without a base step each band is scaled to the 
 Error model. The DCT is orthonormal blockwise (edge blocks included), so squared error in coefficient space
 equals squared error in data space. For a chunk of N values::
 
-    N * MSE = dropped + sum over stored coefficients of (c - step * round(c / step))**2  (+ N/12 for integers)
+    N * MSE = dropped + sum over stored coefficients of (c - step * q)**2  (+ N/12 for integers)
 
 ``dropped`` is the energy of the coefficients the mask removes (= sum x**2 - sum of stored c**2, by
-Parseval); the last term is the rounding of integer outputs. For planning without the coefficients, the
-classic high-rate model replaces each stored coefficient's error by ``min(step**2 / 12, c**2)``:
-:func:`expected_mse`. :func:`coefficient_error` computes the exact quantization term.
+Parseval), q the stored level; the last term is the rounding of integer outputs. For planning without the
+coefficients, the classic high-rate model replaces each stored coefficient's error by ``min(step**2 / 12,
+c**2)``: :func:`expected_mse`. :func:`coefficient_error` computes the exact quantization term.
 """
 
 from __future__ import annotations
