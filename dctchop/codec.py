@@ -136,6 +136,7 @@ class Coefficients:
     plan: TransformPlan
     values: np.ndarray = field(repr=False)
     maxabs: np.ndarray = field(repr=False)
+    rms: np.ndarray = field(repr=False)
 
 
 def transform_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> Coefficients:
@@ -146,7 +147,8 @@ def transform_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) ->
     _, seg_starts, seg_bands = plan.order
     values = gather(forward(x, plan, threads), plan)
     maxabs = qz.band_maxabs(values, seg_starts, seg_bands, len(plan.bands))
-    return Coefficients(x.shape, x.dtype, settings, plan, values, maxabs)
+    rms = qz.band_rms(values, seg_starts, seg_bands, len(plan.bands))
+    return Coefficients(x.shape, x.dtype, settings, plan, values, maxabs, rms)
 
 
 def encode_coefficients(c: Coefficients, step: float | None) -> bytes:
@@ -154,9 +156,14 @@ def encode_coefficients(c: Coefficients, step: float | None) -> bytes:
     over steps transforms each chunk once."""
     settings = replace(c.settings, step=step)
     steps = qz.choose_steps(c.maxabs, settings.precision, step, _weights(settings, c.plan))
+    return _serialize(c, settings, steps, _quantize(c, steps, settings.precision))
+
+
+def _quantize(c: Coefficients, steps: np.ndarray, precision: str) -> np.ndarray:
+    """The chunk's stored values at ``steps``, with the dead zone in the bands it pays in
+    (:func:`dctchop.quantize.rounding_offsets`)."""
     _, seg_starts, seg_bands = c.plan.order
-    stored = qz.quantize(c.values, steps, seg_starts, seg_bands, settings.precision, qz.dead_zone(c.dtype))
-    return _serialize(c, settings, steps, stored)
+    return qz.quantize(c.values, steps, seg_starts, seg_bands, precision, qz.rounding_offsets(steps, c.rms))
 
 
 def _native(x: np.ndarray) -> np.ndarray:
@@ -187,17 +194,15 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
             valid_rows: int | None = None):
     x = _native(x)
     c = transform_chunk(x, settings, threads)
-    plan, values, maxabs = c.plan, c.values, c.maxabs
-    _, seg_starts, seg_bands = plan.order
+    plan, maxabs = c.plan, c.maxabs
     weights = _weights(settings, plan)
-    dead_zone = qz.dead_zone(x.dtype)
     rows = _counted_rows(x, plan.axes, valid_rows) if measure or settings.target_psnr is not None else None
     step, stored, stats = settings.step, None, None
     if settings.target_psnr is not None:
-        step, target_sse, stored = _step_for_psnr(x, values, maxabs, plan, settings, weights, rows)
+        step, target_sse, stored = _step_for_psnr(x, c, settings, weights, rows)
     steps = qz.choose_steps(maxabs, settings.precision, step, weights)
     if stored is None:
-        stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision, dead_zone)
+        stored = _quantize(c, steps, settings.precision)
     if settings.target_psnr is not None:
         # The error model is exact in coefficient space; rounding and clipping integer outputs make the real
         # error differ slightly. Check the reconstruction itself and tighten the step until the target holds.
@@ -209,14 +214,14 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
                 break
             step *= PSNR_RETRY_FACTOR
             steps = qz.choose_steps(maxabs, settings.precision, step, weights)
-            stored = qz.quantize(values, steps, seg_starts, seg_bands, settings.precision, dead_zone)
+            stored = _quantize(c, steps, settings.precision)
     if measure and stats is None:
         y = _reconstruct(stored, steps, plan, settings.precision, x.dtype, threads)
         stats = qz.error_stats(x, y, rows)
     return _serialize(c, settings, steps, stored), stats
 
 
-def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, rows):
+def _step_for_psnr(x, c: Coefficients, settings: ChunkSettings, weights, rows):
     """(step, target SSE, stored values or None): the largest base step whose modelled error meets the
     chunk's PSNR target, the squared-error budget the reconstruction must stay within, and the quantized
     values at that step when its exact evaluation made them.
@@ -225,6 +230,7 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
     usually with one or two exact evaluations. When the mask alone already misses the target, the finest
     step the precision allows is returned and the chunk falls short; the store records the PSNR reached.
     """
+    plan, values, maxabs = c.plan, c.values, c.maxabs
     peak = qz.dtype_peak(x.dtype) or settings.peak
     if peak is None:
         finite = x.astype(np.float64)
@@ -237,12 +243,13 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
     # Parseval: what the mask drops is sum x**2 - sum c**2; zero when every coefficient is kept
     dropped = 0.0 if values.size == x.size else max(qz.energy(x) - qz.energy(values), 0.0)
 
-    precision, dead_zone = settings.precision, qz.dead_zone(x.dtype)
+    precision = settings.precision
     last = {"step": None, "stored": None}
 
     def exact(step: float) -> float:  # keeps the quantized values: the last evaluation is usually the answer
-        stored, error = qz.quantize_with_error(values, qz.choose_steps(maxabs, precision, step, weights),
-                                               seg_starts, seg_bands, precision, dead_zone)
+        steps = qz.choose_steps(maxabs, precision, step, weights)
+        stored, error = qz.quantize_with_error(values, steps, seg_starts, seg_bands, precision,
+                                               qz.rounding_offsets(steps, c.rms))
         last.update(step=step, stored=stored)
         return math.log(max(dropped + error, 1e-300))
 
@@ -261,8 +268,9 @@ def _step_for_psnr(x, values, maxabs, plan, settings: ChunkSettings, weights, ro
 
         def estimate(step: float) -> float:
             steps = qz.choose_steps(maxabs, precision, step, weights)
-            return math.log(max(dropped + scale * qz.coefficient_error(sub, steps, sub_starts, seg_bands,
-                                                                       precision, dead_zone), 1e-300))
+            offsets = qz.rounding_offsets(steps, c.rms)
+            error = qz.coefficient_error(sub, steps, sub_starts, seg_bands, precision, offsets)
+            return math.log(max(dropped + scale * error, 1e-300))
 
         # aim at the middle of the accepted window, so the exact check below usually accepts at once
         step = _search(estimate, step, finest, coarsest, goal + math.log(1 - SEARCH_SLACK / 2),

@@ -6,8 +6,9 @@ Chop (fixed-size) precisions ``float32``, ``float16``, ``bfloat16``: the paper's
 two matmuls. float32 and bfloat16 use unit steps; float16 uses a power-of-two step per band that puts the
 band's largest magnitude near 2**15, so nothing overflows (max 65504) or falls into subnormals.
 
-Quantized precisions ``int8``, ``int16``: ``q = round(c / step[band])``, for integer data with a dead zone
-(:func:`dead_zone`: ``|c| / step`` is rounded after taking 0.15 off it). The step of each band is
+Quantized precisions ``int8``, ``int16``: ``q = round(c / step[band])``, with a dead zone in bands whose step
+exceeds their RMS (:func:`rounding_offsets`: ``|c| / step`` is rounded after taking 0.15 off it). The step of
+each band is
 ``max(base_step * weight[band], maxabs[band] / qmax)``: the requested step, enlarged where needed so no value
 saturates (qmax = 127 or 32767). Without a base step each band is scaled to the full integer range
 (fixed-point, ``maxabs / qmax``): the fixed-size integer mode.
@@ -48,16 +49,19 @@ FLOAT16_TARGET_EXPONENT = 15
 
 # Rounding |c| / step - 0.15 to nearest (levels 1, 2, ... start at 0.65, 1.65, ... steps) costs a little more
 # error per value but zeroes many small coefficients, which the bit planes and zstd store for almost nothing.
-# benchmarks/peers.py at equal ratio 4 / 8 / 16: +0.35 / +0.33 / +0.42 dB on 32x32 RGB, +0.21 / +0.22 / +0.45 on
-# 28x28 grey, +0.24 / +0.29 / +0.39 on photos; but -1.07 / -0.39 / +0.40 on the 2-D float field, whose fine
-# steps (60-85 dB) leave few coefficients near zero. So integer data only.
+# That pays in a band whose step exceeds its RMS (most of its values lie within a step of zero) and costs in a
+# finer one. benchmarks/peers.py, dctchop's PSNR at equal ratio 4 / 8 / 16 against round-to-nearest: 32x32 RGB
+# +0.40 / +0.45 / +0.52 dB, 28x28 grey +0.32 / +0.27 / +0.53, photos +0.28 / +0.37 / +0.49, 2-D field +0.07 /
+# +0.16 / +0.56, 3-D field 0.00 / +0.08 / +0.47. The dead zone on every band costs the 2-D field 1.1 dB at 4
+# and gives the images 0.04-0.13 dB less; at RMS x 0.5 or x 2 as the threshold, within 0.1 dB of this rule
+# (x 2 below it). 0.1 does as well as 0.15; 0.2 and 0.25 are 0.1-0.4 dB worse.
 DEAD_ZONE = 0.15
 
 
-def dead_zone(dtype) -> float:
-    """The dead zone integer precisions quantize data of ``dtype`` with: :data:`DEAD_ZONE` for integer data,
-    none (round to nearest) for floating-point data. The decoder does not need to know it."""
-    return DEAD_ZONE if np.dtype(dtype).kind in "iu" else 0.0
+def rounding_offsets(steps: np.ndarray, rms: np.ndarray) -> np.ndarray:
+    """Per band, what the quantizer adds to ``|c| / step`` before rounding down: 0.5 (nearest) in a band whose
+    step is at most its RMS ``rms``, ``0.5 - DEAD_ZONE`` in a coarser one. The decoder does not need them."""
+    return np.where(steps > rms, 0.5 - DEAD_ZONE, 0.5)
 
 
 def check_precision(precision: str) -> None:
@@ -93,16 +97,16 @@ def _band_maxabs(values, seg_starts, seg_bands, out):  # pragma: no cover - comp
 
 @numba.njit(inline="always")
 def _level(value, inv, qmax, offset):  # pragma: no cover - compiled
-    """The quantization level of ``value`` (``inv`` = 1 / step): ``floor(|value| * inv + offset)`` with its sign,
-    at most qmax (offset 0.5: nearest, halves away from zero; less: a dead zone)."""
+    """The quantization level of ``value`` (``inv`` = 1 / step): ``floor(|value| * inv + offset)`` with its
+    sign, at most qmax (offset 0.5: nearest, halves away from zero; less: a dead zone)."""
     m = min(np.floor(abs(value) * inv + offset), qmax)
     return m if value >= 0 else -m
 
 
 @numba.njit(nogil=True, cache=True)
-def _quantize_int(values, seg_starts, seg_bands, steps, qmax, offset, out):  # pragma: no cover - compiled
+def _quantize_int(values, seg_starts, seg_bands, steps, qmax, offsets, out):  # pragma: no cover - compiled
     for s in range(seg_bands.size):
-        inv = 1.0 / steps[seg_bands[s]]
+        inv, offset = 1.0 / steps[seg_bands[s]], offsets[seg_bands[s]]
         src, dst = values[seg_starts[s] : seg_starts[s + 1]], out[seg_starts[s] : seg_starts[s + 1]]
         for i in range(src.size):
             dst[i] = _level(src[i], inv, qmax, offset)
@@ -128,14 +132,14 @@ def _lane_sum(t, n):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _int_error(values, seg_starts, seg_bands, steps, qmax, offset, out):  # pragma: no cover - compiled
+def _int_error(values, seg_starts, seg_bands, steps, qmax, offsets, out):  # pragma: no cover - compiled
     """Squared quantization error; the quantized values go to ``out`` unless it is empty. Each run's squared
     errors are summed by :func:`_lane_sum` after a loop that only quantizes (3x faster than one loop)."""
     keep = out.size > 0
     squares = np.empty(longest_run(seg_starts))
     total = 0.0
     for s in range(seg_bands.size):
-        step = steps[seg_bands[s]]
+        step, offset = steps[seg_bands[s]], offsets[seg_bands[s]]
         inv = 1.0 / step
         src = values[seg_starts[s] : seg_starts[s + 1]]
         dst = out[seg_starts[s] : seg_starts[s + 1]] if keep else out
@@ -181,6 +185,25 @@ def band_maxabs(values: np.ndarray, seg_starts: np.ndarray, seg_bands: np.ndarra
     return out
 
 
+@numba.njit(nogil=True, cache=True)
+def _band_energy(values, seg_starts, seg_bands, energy, count):  # pragma: no cover - compiled
+    """Sum of squares and number of values of each band (squares summed as in :func:`_int_error`)."""
+    squares = np.empty(longest_run(seg_starts))
+    for s in range(seg_bands.size):
+        run = values[seg_starts[s] : seg_starts[s + 1]]
+        for i in range(run.size):
+            squares[i] = np.float64(run[i]) * np.float64(run[i])
+        energy[seg_bands[s]] += _lane_sum(squares, run.size)
+        count[seg_bands[s]] += run.size
+
+
+def band_rms(values: np.ndarray, seg_starts: np.ndarray, seg_bands: np.ndarray, n_bands: int) -> np.ndarray:
+    """Root mean square of each band over all its runs (float64, zeros for empty bands)."""
+    energy, count = np.zeros(n_bands), np.zeros(n_bands, np.int64)
+    _band_energy(values, seg_starts, seg_bands, energy, count)
+    return np.sqrt(energy / np.maximum(count, 1))
+
+
 def choose_steps(
     maxabs: np.ndarray, precision: str, base_step: float | None = None, weights: np.ndarray | None = None
 ) -> np.ndarray:
@@ -201,12 +224,13 @@ def choose_steps(
 
 
 def quantize(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str,
-             dead_zone: float = 0.0) -> np.ndarray:
-    """Stored values (storage dtype) of band-major coefficients; integer precisions round with ``dead_zone``
-    (see :func:`dead_zone`)."""
+             offsets: np.ndarray | None = None) -> np.ndarray:
+    """Stored values (storage dtype) of band-major coefficients; integer precisions round with the per-band
+    ``offsets`` (:func:`rounding_offsets`; None: to nearest)."""
     if precision in INT_PRECISIONS:
         out = np.empty(values.shape, dtype=STORAGE_DTYPES[precision])
-        _quantize_int(values, seg_starts, seg_bands, steps, float(QMAX[precision]), 0.5 - dead_zone, out)
+        offsets = _nearest(steps, offsets)
+        _quantize_int(values, seg_starts, seg_bands, steps, float(QMAX[precision]), offsets, out)
         return out
     scaled = np.empty(values.shape, dtype=np.float32)
     for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
@@ -257,23 +281,28 @@ def bfloat16_bits_to_float32(b: np.ndarray) -> np.ndarray:
 
 
 def coefficient_error(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str,
-                      dead_zone: float = 0.0) -> float:
+                      offsets: np.ndarray | None = None) -> float:
     """Sum of squared quantization error over the stored coefficients (float64, exact up to its rounding)."""
     if precision in INT_PRECISIONS:
         nothing = np.empty(0, dtype=STORAGE_DTYPES[precision])
-        return float(_int_error(values, seg_starts, seg_bands, steps, float(QMAX[precision]), 0.5 - dead_zone,
-                                nothing))
+        return float(_int_error(values, seg_starts, seg_bands, steps, float(QMAX[precision]),
+                                _nearest(steps, offsets), nothing))
     restored = dequantize(quantize(values, steps, seg_starts, seg_bands, precision), steps, seg_starts,
                           seg_bands, precision, np.float64)
     return float(np.sum((values.astype(np.float64) - restored) ** 2))
 
 
 def quantize_with_error(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, precision: str,
-                        dead_zone: float = 0.0) -> tuple[np.ndarray, float]:
+                        offsets: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """(:func:`quantize`, :func:`coefficient_error`) of an integer precision in one pass."""
     out = np.empty(values.shape, dtype=STORAGE_DTYPES[precision])
-    return out, float(_int_error(values, seg_starts, seg_bands, steps, float(QMAX[precision]), 0.5 - dead_zone,
-                                 out))
+    return out, float(_int_error(values, seg_starts, seg_bands, steps, float(QMAX[precision]),
+                                 _nearest(steps, offsets), out))
+
+
+def _nearest(steps: np.ndarray, offsets: np.ndarray | None) -> np.ndarray:
+    """``offsets``, or round-to-nearest in every band."""
+    return np.full(steps.size, 0.5) if offsets is None else np.asarray(offsets, dtype=np.float64)
 
 
 def expected_mse(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, n_total: int,

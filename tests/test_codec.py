@@ -176,8 +176,8 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
-def test_integer_data_is_quantized_with_a_dead_zone(dtype):
-    """uint8 data rounds with the dead zone, float data to nearest; the decoder needs neither to know."""
+def test_bands_coarser_than_their_rms_are_quantized_with_a_dead_zone(dtype):
+    """The encoder rounds with the dead zone where a band's step exceeds its RMS; the decoder needs not know."""
     from dctchop.codec import read_stored, transform_chunk
 
     x = smooth_uint8_stack(n=6, h=24, w=32).astype(dtype)
@@ -185,8 +185,10 @@ def test_integer_data_is_quantized_with_a_dead_zone(dtype):
     c = transform_chunk(x, settings)
     _, seg_starts, seg_bands = c.plan.order
     steps = qz.choose_steps(c.maxabs, "int16", 3.0)
+    offsets = qz.rounding_offsets(steps, c.rms)
+    assert set(offsets) == {0.5, 0.5 - qz.DEAD_ZONE}
     data = encode_chunk(x, settings)
-    expected = qz.quantize(c.values, steps, seg_starts, seg_bands, "int16", qz.DEAD_ZONE if dtype == "uint8" else 0.0)
+    expected = qz.quantize(c.values, steps, seg_starts, seg_bands, "int16", offsets)
     np.testing.assert_array_equal(read_stored(data, x.shape, x.dtype).stored, expected)
     values = qz.dequantize(expected, steps, seg_starts, seg_bands, "int16", np.float64)
     reference = decompress_array(values, c.plan, np.float64)

@@ -178,26 +178,34 @@ def test_int_precisions_never_saturate(precision, base_step):
 
 
 @pytest.mark.parametrize("precision", ["int8", "int16"])
-def test_dead_zone_rounds_the_magnitude_less_a_fraction_of_a_step(precision):
+def test_dead_zone_in_bands_coarser_than_their_rms(precision):
     rng = np.random.default_rng(7)
     _, plan, values, seg_starts, seg_bands = _band_major(rng)
-    maxabs = qz.band_maxabs(values, seg_starts, seg_bands, len(plan.bands))
-    steps = qz.choose_steps(maxabs, precision, 0.7)
+    n_bands = len(plan.bands)
+    maxabs = qz.band_maxabs(values, seg_starts, seg_bands, n_bands)
+    rms = qz.band_rms(values, seg_starts, seg_bands, n_bands)
+    per_band = [np.concatenate([values[a:b] for a, b, k in zip(seg_starts[:-1], seg_starts[1:], seg_bands)
+                                if k == band]).astype(np.float64) for band in range(n_bands)]
+    np.testing.assert_allclose(rms, [np.sqrt(np.mean(v**2)) for v in per_band], rtol=1e-12)
+    steps = qz.choose_steps(maxabs, precision, float(np.median(rms)))
+    offsets = qz.rounding_offsets(steps, rms)
+    assert set(offsets) == {0.5, 0.5 - qz.DEAD_ZONE}  # this data has bands of both kinds
+    assert np.array_equal(offsets == 0.5, steps <= rms)
+    q = qz.quantize(values, steps, seg_starts, seg_bands, precision, offsets).astype(np.int64)
     per_value = _steps_per_value(steps, seg_starts, seg_bands, values.size)
-    q = qz.quantize(values, steps, seg_starts, seg_bands, precision, qz.DEAD_ZONE).astype(np.int64)
     scaled = values.astype(np.float64) / per_value
-    expected = np.sign(scaled) * np.minimum(np.floor(np.abs(scaled) + 0.5 - qz.DEAD_ZONE), qz.QMAX[precision])
+    offset = _steps_per_value(offsets, seg_starts, seg_bands, values.size)
+    expected = np.sign(scaled) * np.minimum(np.floor(np.abs(scaled) + offset), qz.QMAX[precision])
     differ = q != expected  # only where |c| / step sits within float rounding of a threshold
     assert np.count_nonzero(differ) <= 2 and np.all(np.abs(q - expected) <= 1)
     nearest = qz.quantize(values, steps, seg_starts, seg_bands, precision)
     assert np.count_nonzero(q) < np.count_nonzero(nearest)
     # the error the PSNR search measures is the error of these levels
     direct = float(np.sum((values.astype(np.float64) - q * per_value) ** 2))
-    q2, error = qz.quantize_with_error(values, steps, seg_starts, seg_bands, precision, qz.DEAD_ZONE)
+    q2, error = qz.quantize_with_error(values, steps, seg_starts, seg_bands, precision, offsets)
     np.testing.assert_array_equal(q2, q)
     assert error == pytest.approx(direct, rel=1e-9)
-    assert qz.coefficient_error(values, steps, seg_starts, seg_bands, precision, qz.DEAD_ZONE) == error
-    assert qz.dead_zone(np.uint8) == qz.dead_zone(np.int16) == qz.DEAD_ZONE and qz.dead_zone(np.float32) == 0.0
+    assert qz.coefficient_error(values, steps, seg_starts, seg_bands, precision, offsets) == error
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "int16", "float16", "float32", "float64"])
