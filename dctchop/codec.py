@@ -35,7 +35,7 @@ import asyncio
 import math
 import struct
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -136,7 +136,14 @@ class Coefficients:
     plan: TransformPlan
     values: np.ndarray = field(repr=False)
     maxabs: np.ndarray = field(repr=False)
-    rms: np.ndarray = field(repr=False)
+
+    @cached_property
+    def rms(self) -> np.ndarray:
+        """Each band's RMS, which decides where the integer precisions' dead zone goes
+        (:func:`dctchop.quantize.rounding_offsets`); worked out on first use, as the chop precisions never
+        need it."""
+        _, seg_starts, seg_bands = self.plan.order
+        return qz.band_rms(self.values, seg_starts, seg_bands, len(self.plan.bands))
 
 
 def transform_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> Coefficients:
@@ -147,8 +154,7 @@ def transform_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) ->
     _, seg_starts, seg_bands = plan.order
     values = gather(forward(x, plan, threads), plan)
     maxabs = qz.band_maxabs(values, seg_starts, seg_bands, len(plan.bands))
-    rms = qz.band_rms(values, seg_starts, seg_bands, len(plan.bands))
-    return Coefficients(x.shape, x.dtype, settings, plan, values, maxabs, rms)
+    return Coefficients(x.shape, x.dtype, settings, plan, values, maxabs)
 
 
 def encode_coefficients(c: Coefficients, step: float | None) -> bytes:
@@ -160,10 +166,11 @@ def encode_coefficients(c: Coefficients, step: float | None) -> bytes:
 
 
 def _quantize(c: Coefficients, steps: np.ndarray, precision: str) -> np.ndarray:
-    """The chunk's stored values at ``steps``, with the dead zone in the bands it pays in
+    """The chunk's stored values at ``steps``; integer precisions with the dead zone in the bands it pays in
     (:func:`dctchop.quantize.rounding_offsets`)."""
     _, seg_starts, seg_bands = c.plan.order
-    return qz.quantize(c.values, steps, seg_starts, seg_bands, precision, qz.rounding_offsets(steps, c.rms))
+    offsets = qz.rounding_offsets(steps, c.rms) if precision in qz.INT_PRECISIONS else None
+    return qz.quantize(c.values, steps, seg_starts, seg_bands, precision, offsets)
 
 
 def _native(x: np.ndarray) -> np.ndarray:
