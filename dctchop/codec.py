@@ -75,6 +75,9 @@ PSNR_RETRIES = 8
 PSNR_RETRY_FACTOR = 0.97
 SEARCH_SAMPLE = 1 << 16  # coefficients the PSNR step search runs on before its exact check
 SEARCH_SLACK = 0.02  # a step whose error is within 2% under the budget is accepted
+# Largest coefficient a float chunk may transform to, per arithmetic dtype: float32 keeps room for the inverse's
+# partial sums; float64 keeps a chunk's squared errors (and peak**2 times its size) finite.
+MAX_COEFFICIENT = {np.dtype(np.float32): float(np.finfo(np.float32).max) / 4, np.dtype(np.float64): 1e140}
 _FIXED = struct.Struct("<4sBBBBBBH")
 FLAG_BITPLANES = 1
 FLAG_STEP_TABLE = 2
@@ -154,7 +157,26 @@ def transform_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) ->
     _, seg_starts, seg_bands = plan.order
     values = gather(forward(x, plan, threads), plan)
     maxabs = qz.band_maxabs(values, seg_starts, seg_bands, len(plan.bands))
+    if x.dtype.kind == "f":
+        _check_range(x, values, maxabs, plan)
     return Coefficients(x.shape, x.dtype, settings, plan, values, maxabs)
+
+
+def _check_range(x: np.ndarray, values: np.ndarray, maxabs: np.ndarray, plan: TransformPlan) -> None:
+    """Refuse float data the arithmetic cannot carry: NaN or infinities, or values so large that the
+    coefficients (up to sqrt(block volume) times the values) pass :data:`MAX_COEFFICIENT`, where the
+    transform would overflow or the errors could not be measured. (``maxabs`` shows an infinity, not a NaN.)"""
+    work = work_dtype(x.dtype)
+    limit = MAX_COEFFICIENT[work]
+    if float(np.max(maxabs, initial=0.0)) <= limit and np.isfinite(values).all():
+        return
+    if not np.all(np.isfinite(x)):
+        raise DctchopError("data holds NaN or infinite values")
+    largest = limit / math.sqrt(math.prod(plan.block))
+    hint = ", or store it as float64" if work == np.float32 else ""
+    raise DctchopError(f"values up to {float(np.max(np.abs(x))):.3g} are too large for the {work.name} transform "
+                       f"(about {largest:.3g} at most with blocks of {math.prod(plan.block)}); scale the data "
+                       f"down{hint}")
 
 
 def encode_coefficients(c: Coefficients, step: float | None) -> bytes:
@@ -240,11 +262,10 @@ def _step_for_psnr(x, c: Coefficients, settings: ChunkSettings, weights, rows):
     plan, values, maxabs = c.plan, c.values, c.maxabs
     peak = qz.dtype_peak(x.dtype) or settings.peak
     if peak is None:
-        finite = x.astype(np.float64)
-        peak = float(finite.max() - finite.min()) if x.size else 0.0
+        peak = qz.float_peak(float(x.min()), float(x.max())) if x.size else 1.0
     n = int(np.count_nonzero(rows)) * (x.size // max(x.shape[0], 1))
     integer = x.dtype.kind in "iu"
-    target_sse = n * peak**2 / 10 ** (settings.target_psnr / 10)
+    target_sse = n * peak * peak / 10 ** (settings.target_psnr / 10)
     model_sse = target_sse - (n / 12 if integer else 0.0)  # leave room for rounding to integers
     _, seg_starts, seg_bands = plan.order
     # Parseval: what the mask drops is sum x**2 - sum c**2; zero when every coefficient is kept
@@ -262,7 +283,7 @@ def _step_for_psnr(x, c: Coefficients, settings: ChunkSettings, weights, rows):
 
     # below `finest` every band sits at its no-saturation limit maxabs / qmax, above `coarsest` all is zero
     limits = maxabs / qz.QMAX[precision] / (1.0 if weights is None else weights)
-    finest = max(float(np.min(limits[maxabs > 0])), 1e-30) if np.any(maxabs > 0) else 1e-30
+    finest = float(np.min(limits[maxabs > 0])) if np.any(maxabs > 0) else 1.0
     coarsest = max(float(np.max(maxabs)) * 4, finest)
     goal = math.log(max(model_sse, 1e-300))
     # the high-rate guess: error step**2 / 12 per stored value

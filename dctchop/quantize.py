@@ -373,6 +373,12 @@ def psnr(mse: float, peak: float) -> float:
     return 20.0 * math.log10(peak) - 10.0 * math.log10(mse)
 
 
+def float_peak(lo: float, hi: float) -> float:
+    """PSNR peak of floating-point data with values in ``[lo, hi]``: their range, or 1 for a constant array,
+    whose range of 0 would make every PSNR -inf."""
+    return hi - lo if hi > lo else 1.0
+
+
 def dtype_peak(dtype) -> float | None:
     """PSNR peak of an integer dtype (its range); None for floats (use the data's max - min)."""
     dtype = np.dtype(dtype)

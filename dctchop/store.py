@@ -12,7 +12,7 @@ A ``.npy`` input becomes one array named ``data``. Arrays are chunked along axis
 of whole blocks when axis 0 is transformed), so every chunk is written once, whole.
 
 PSNR is ``20 log10(peak) - 10 log10(MSE)``, peak = the dtype's range for integer dtypes (255 for uint8) and
-max - min of the original array for floating dtypes.
+max - min of the original array for floating dtypes (1 for a constant array).
 
 Every chunk's metadata is measured on a decode of exactly the bytes written for it (before zstd and
 crc32c, which are lossless and checked on read), so it describes what is on disk.
@@ -194,8 +194,8 @@ def _chunk_ranges(length: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def scan_float(plan: ArrayPlan, threads: int = 1) -> None:
-    """Refuse NaN/Inf (with their count and first index) and set the PSNR peak to max - min, reading the
-    chunks on ``threads`` threads."""
+    """Refuse NaN/Inf (with their count and first index) and set the PSNR peak
+    (:func:`dctchop.quantize.float_peak`), reading the chunks on ``threads`` threads."""
 
     def scan(start: int, stop: int) -> tuple[float, float, int, tuple | None]:
         x = plan.source.read(start, stop)
@@ -212,9 +212,9 @@ def scan_float(plan: ArrayPlan, threads: int = 1) -> None:
     if bad:
         raise DctchopError(f"{plan.name}: {sum(n for n, _ in bad)} NaN or infinite values, "
                            f"first at index {list(bad[0][1])}")
-    plan.peak = max(hi for _, hi, _, _ in found) - min(lo for lo, _, _, _ in found)
+    plan.peak = qz.float_peak(min(lo for lo, _, _, _ in found), max(hi for _, hi, _, _ in found))
     if plan.settings.target_psnr is not None:
-        plan.settings = replace(plan.settings, peak=plan.peak if plan.peak > 0 else 1.0)
+        plan.settings = replace(plan.settings, peak=plan.peak)
 
 
 # ---------------------------------------------------------------------------------------------- ratio search
@@ -236,7 +236,7 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
     """
     zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
     settings = replace(plan.settings, target_psnr=None)
-    scale, sample = max(plan.peak, 1e-30), []
+    scale, sample = plan.peak, []  # the steps tried are relative to the data's scale, however small
     for r in _sample_ranges(plan):  # each sample chunk is transformed once, quantized at every step tried
         x = _pad_to_chunk(plan.source.read(*r), plan.chunks, edge=0 in plan.axes)
         scale = max(scale, float(np.abs(x).max()))

@@ -232,8 +232,7 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
     x, where = read_sample(array, axes, sample)
     peak = qz.dtype_peak(x.dtype)
     if peak is None:
-        peak = float(x.max()) - float(x.min()) if x.size else 0.0
-        peak = peak if peak > 0 else 1.0
+        peak = qz.float_peak(float(x.min()), float(x.max())) if x.size else 1.0
     threads = resolve_threads(threads)
     results, skipped, used_axes = [], [], None
     for setting in grid if grid is not None else settings_grid(x.dtype):
@@ -275,7 +274,11 @@ def recommend(result: dict, target_ratio: float | None = None, target_psnr: floa
         kind, value = "psnr", float(target_psnr)
     else:
         kind, value = default_target(result["dtype"])
+    out = {"target": {"kind": kind, "value": value, "given": target_ratio is not None or target_psnr is not None}}
     points = [(i, p) for i, p in enumerate(result["settings"]) if p["reachable"]]
+    if not result["settings"] and result["skipped"]:  # every setting failed (data out of range, say)
+        return {**out, "index": None, "setting": None, "command": None,
+                "reason": f"no setting applies: {result['skipped'][0]['reason']}"}
     if kind == "ratio":
         ok = [(i, p) for i, p in points if p["ratio"] >= value * (1 - RATIO_TOLERANCE)]
         best = max(ok, key=lambda ip: (ip[1]["psnr"], ip[1]["ratio"]), default=None)
@@ -286,7 +289,6 @@ def recommend(result: dict, target_ratio: float | None = None, target_psnr: floa
         best = max(ok, key=lambda ip: (ip[1]["ratio"], ip[1]["psnr"]), default=None)
         top = max((p["psnr"] for _, p in points), default=-math.inf)
         why = f"no setting reaches PSNR {value:g} dB (the highest is {top:.2f} dB)"
-    out = {"target": {"kind": kind, "value": value, "given": target_ratio is not None or target_psnr is not None}}
     if best is None:
         return {**out, "index": None, "setting": None, "command": None, "reason": why}
     i, p = best

@@ -545,6 +545,19 @@ def test_ratio_8_small_array_within_5_percent(data, tmp_path):
     assert a["ratio"] == pytest.approx(8, rel=0.05)
 
 
+@pytest.mark.parametrize("target", [("--ratio", "8"), ("--psnr", "60")])
+def test_tiny_float_values_compress_like_the_same_data_at_scale_one(data, tmp_path, target):
+    # 1e-36: floors at 1e-30 in the step searches made --psnr miss by 40 dB and --ratio start too coarse
+    tiny = tmp_path / "tiny.npy"
+    np.save(tiny, (data.field.astype(np.float64) * 1e-36).astype(np.float32))
+    results = [json.loads(ok(run("compress", src, tmp_path / f"{k}.zarr", *target, "--json", "-q")).stdout)
+               ["arrays"]["data"] for k, src in enumerate((data.field_npy, tiny))]
+    assert results[1]["ratio"] == pytest.approx(results[0]["ratio"], rel=0.02)
+    assert float(results[1]["psnr"]) == pytest.approx(float(results[0]["psnr"]), abs=0.1)
+    if target[0] == "--psnr":
+        assert float(results[1]["psnr_min"]) >= 60
+
+
 def test_psnr_45_every_chunk_in_inspect(data, psnr45):
     line = layout_lines(psnr45.proc)["data"]
     assert "layout NHWC, transformed axes [1, 2, 3], chunks of 16" in line
@@ -643,6 +656,27 @@ def test_failed_compress_unsupported_dtype_leaves_nothing(tmp_path):
     out = tmp_path / "fail.zarr"
     user_error(run("compress", src, out), "unsupported dtype int32")
     assert not out.exists() and not leftovers(tmp_path, out.name)
+
+
+@pytest.mark.parametrize("dtype, value", [("float32", 1e38), ("float64", 1e300)])
+def test_failed_compress_values_too_large_leaves_nothing(tmp_path, dtype, value):
+    # float32: the transform overflowed and the store decoded to NaN; float64: an internal OverflowError
+    src = tmp_path / "big.npy"
+    np.save(src, np.linspace(-value, value, 8 * 16 * 16).astype(dtype).reshape(8, 16, 16))
+    out = tmp_path / "fail.zarr"
+    user_error(run("compress", src, out), f"values up to {value:.3g} are too large for the {dtype} transform")
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+
+
+def test_constant_float_array_compresses_with_peak_one(tmp_path):
+    # its max - min is 0, which made every PSNR -inf and the default --psnr 60 impossible
+    src, out = tmp_path / "const.npy", tmp_path / "const.zarr"
+    np.save(src, np.full((8, 16, 16), 3.25, np.float32))
+    ok(run("compress", "-q", src, out))
+    info = json.loads(ok(run("inspect", out, "--json")).stdout)
+    array = info["arrays"]["data"]
+    assert array["peak"] == 1.0 and array["psnr"] >= 60.0
+    assert np.abs(decoded(out, "data") - 3.25).max() <= 1e-3
 
 
 def test_failed_overwrite_keeps_old_store(data, psnr45, tmp_path):

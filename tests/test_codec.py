@@ -331,6 +331,61 @@ def test_psnr_target_on_a_chunk_large_enough_for_the_subsampled_search(target):
     assert target <= measured_psnr(x, y, 255.0) <= target + 0.3
 
 
+@pytest.mark.parametrize("scale", [2.0**-110, 2.0**-80, 2.0**80, 2.0**118])
+def test_psnr_target_holds_at_any_float32_magnitude(scale):
+    # The step search must follow the data's scale down to float32's smallest normal values (its finest step
+    # once had a floor at 1e-30) and up to near its range: same PSNR, same size.
+    x = smooth_float_field(shape=(2, 32, 32)) / 4
+    s = ChunkSettings((1, 2), (8, 8), (8, 8), precision="int16", target_psnr=50.0)
+    base = encode_chunk(x, s)
+    scaled = (x.astype(np.float64) * scale).astype(np.float32)
+    data = encode_chunk(scaled, s)
+    y = decode_chunk(data, x.shape, x.dtype)
+    peak = float(scaled.max()) - float(scaled.min())
+    assert 50.0 <= measured_psnr(scaled, y, peak) <= 50.5
+    assert abs(len(data) / len(base) - 1) < 0.02
+
+
+def test_constant_float_chunk_meets_its_target_with_peak_one():
+    x = np.full((2, 16, 16), 3.25, np.float32)
+    s = ChunkSettings((1, 2), (8, 8), (8, 8), precision="int16", target_psnr=60.0)
+    y = decode_chunk(encode_chunk(x, s), x.shape, x.dtype)
+    assert qz.float_peak(3.25, 3.25) == 1.0
+    assert measured_psnr(x, y, 1.0) >= 60.0
+
+
+@pytest.mark.parametrize("settings", [
+    {"precision": "int16", "target_psnr": 40.0},
+    {"precision": "int16", "step": 0.01},
+    {"precision": "float16"},
+    {"precision": "float32"},
+], ids=lambda d: "-".join(map(str, d.values())))
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_float_data_is_refused_by_the_codec(settings, bad):
+    # before: a misleading step error, a chunk of garbage levels, or one the decoder rejects as corrupt
+    x = smooth_float_field(shape=(2, 16, 16))
+    x[1, 5, 7] = bad
+    with pytest.raises(DctchopError, match="NaN or infinite"):
+        encode_chunk(x, ChunkSettings((1, 2), (8, 8), (8, 8), **settings))
+
+
+@pytest.mark.parametrize("dtype, block, fits, too_big", [
+    ("float32", (8, 8), 1e37, 2e37),  # float32 max / 4 / sqrt(64) = 1.06e37
+    ("float32", (8, 8, 8), 3.5e36, 1e37),  # / sqrt(512) = 3.76e36
+    ("float64", (8, 8), 1e139, 1e141),  # 1e140 / sqrt(64)
+])
+def test_values_too_large_for_the_transform_are_refused(dtype, block, fits, too_big):
+    # 1e38 in float32 overflowed the transform and was stored as NaN; 1e300 in float64 raised OverflowError
+    shape = (2, 16, 16, 16)[: len(block) + 1]
+    axes = tuple(range(1, len(block) + 1))
+    x = np.random.default_rng(0).uniform(0.5, 1, shape).astype(dtype)  # DC near the block's sqrt(volume) bound
+    s = ChunkSettings(axes, block, block, precision="int16", target_psnr=40.0, peak=2.0 * fits)
+    y = decode_chunk(encode_chunk(x * fits, s), x.shape, x.dtype)
+    assert np.all(np.isfinite(y))
+    with pytest.raises(DctchopError, match="too large for the " + dtype):
+        encode_chunk(x * too_big, replace(s, peak=2.0 * too_big))
+
+
 @pytest.mark.parametrize("step", [None, 0.5, 4.0])
 def test_transform_once_then_quantize_equals_encode_chunk(step):
     x = smooth_uint8_stack(seed=4)

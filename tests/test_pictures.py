@@ -346,6 +346,9 @@ def test_pareto_and_recommend():
     assert recommend(result)["target"] == {"kind": "psnr", "value": 40.0, "given": False}
     none = recommend(result, target_psnr=45)
     assert none["command"] is None and "no setting reaches PSNR 45 dB" in none["reason"]
+    skipped = [{"name": "--keep 4", "reason": "values up to 1e+300 are too large"}]
+    none = recommend({"input": "x.npy", "dtype": "float64", "settings": [], "skipped": skipped})
+    assert none["command"] is None and none["reason"] == "no setting applies: values up to 1e+300 are too large"
     assert compress_command("x.npy", ["--keep", "4"], axes_text="1,2") == "dctchop compress x.npy x.zarr --axes 1,2 --keep 4"
 
 
