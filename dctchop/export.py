@@ -16,8 +16,8 @@ from dctchop.store import META_GROUP, _chunk_ranges
 
 
 def _copy_rows(src, write, chunk_rows: int) -> None:
-    if not src.shape:
-        write(slice(None), src[...])
+    if not src.shape:  # a scalar: h5py takes no slice for it, only ...
+        write(..., src[...])
         return
     for s, e in _chunk_ranges(src.shape[0], max(chunk_rows, 1)):
         write(slice(s, e), src[s:e])

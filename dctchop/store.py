@@ -578,7 +578,7 @@ def _write_lossless(group: zarr.Group, source: Source, array: SourceArray,
     sample_bytes = max(math.prod(array.shape[1:]) * array.dtype.itemsize, 1)
     chunk0 = max(1, min(array.shape[0] if array.shape else 1, DEFAULT_CHUNK_BYTES // sample_bytes))
     chunks = (chunk0, *array.shape[1:]) if array.shape else ()
-    arr = group.create_array(name, shape=array.shape, chunks=chunks or None, dtype=array.dtype,
+    arr = group.create_array(name, shape=array.shape, chunks=chunks, dtype=array.dtype,
                              compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0,
                              attributes=array.attrs)
     if not array.shape:

@@ -908,6 +908,21 @@ def test_decompress_h5_with_string_list_attribute(data, tmp_path):
             ["cat", "dog", "emu"]
 
 
+def test_scalar_hdf5_dataset_round_trips(data, tmp_path):
+    # a scalar (version, timestamp) beside the images: compress asked zarr for chunks=None (internal error on
+    # zarr 3.1 and 3.2+), and decompress to .h5 indexed it with a slice
+    src = tmp_path / "with_scalar.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("images", data=data.images[:16])
+        f.create_dataset("version", data=np.float32(2.5))
+    store, out = tmp_path / "s.zarr", tmp_path / "back.h5"
+    ok(run("compress", src, store, "--quiet"))
+    assert zarr.open_group(store, mode="r")["version"][...] == np.float32(2.5)
+    ok(run("decompress", store, out))
+    with h5py.File(out, "r") as f:
+        assert f["version"].shape == () and f["version"][()] == np.float32(2.5)
+
+
 # --------------------------------------------------------------------------------------------------------
 # further bugs found on the way
 # --------------------------------------------------------------------------------------------------------
