@@ -49,10 +49,12 @@ from dctchop.transform import (
     MASKS,
     TransformPlan,
     _pool,
+    band_major,
     channels_first_shape,
     forward,
     gather,
     inverse,
+    inverse_band_major,
     make_plan,
     place,
     slabs,
@@ -405,7 +407,9 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
     """Coefficients -> data one slab (:func:`dctchop.transform.slabs`) at a time, slabs shared among threads:
     a slab's values stay in cache from ``fill(first, seg_starts, seg_bands, values)`` (dequantized, storage
     order) through :func:`dctchop.transform.place` and the inverse passes, where the whole chunk's coefficients
-    would stream through memory once per step. ``channels_first``: see :func:`dctchop.transform.inverse`."""
+    would stream through memory once per step. Slabs that allow it skip the placement and decode band-major
+    (:func:`dctchop.transform.band_major`; single-threaded slabs only). ``channels_first``: see
+    :func:`dctchop.transform.inverse`."""
     dtype = np.dtype(dtype)
     if out is None:
         shape = plan.shape
@@ -418,14 +422,19 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
         buffers = {}
         for part in part_list:
             p = part.plan
+            bands = band_major(p, dtype, channels_first) if inner_threads == 1 else None
             if p.shape not in buffers:  # positions the mask drops stay zero; the others are all written
                 full = p.n_values == math.prod(p.coefficient_shape)
                 image = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
-                buffers[p.shape] = np.empty(p.n_values, work_dtype(dtype)), image
-            values, image = buffers[p.shape]
+                result = np.empty(p.n_values, np.uint8) if bands is not None else None
+                buffers[p.shape] = np.empty(p.n_values, work_dtype(dtype)), image, result
+            values, image, result = buffers[p.shape]
             fill(part.first, part.seg_starts, seg_bands, values)
-            place(values, p, image.reshape(-1))
             target = out[part.region(channels_first)]
+            if bands is not None and target.flags.c_contiguous and target.ctypes.data % 8 == 0:
+                inverse_band_major(values, image.reshape(-1), result, bands, target)
+                continue
+            place(values, p, image.reshape(-1))
             if target.flags.c_contiguous:
                 inverse(image, p, dtype, inner_threads, out=target, channels_first=channels_first)
             else:  # a strip of a channels-first sample

@@ -175,6 +175,70 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
     np.testing.assert_array_equal(decode_chunk(data, shape, dtype, threads), expected)
 
 
+BAND_MAJOR_CASES = [  # uint8 chunks of whole blocks keeping every band: slabs decode band-major
+    ((48, 16, 24, 3), (1, 2, 3), (8, 8, 3), False),  # RGB, colour product fused with the pass over W
+    ((48, 16, 24, 3), (1, 2, 3), (8, 8, 3), True),  # the same, written channels-first
+    ((40, 16, 32), (1, 2), (8, 8), False),  # grey
+    ((40, 3, 16, 16), (1, 2, 3), (3, 8, 8), False),  # NCHW, the colour DCT as a pass of its own
+    ((40, 16, 16, 3), (1, 2), (8, 8), True),  # colours untransformed, written as planes
+    ((24, 8, 16, 16), (1, 2, 3), (8, 8, 8), False),  # volumes
+    ((32, 16, 16), (1, 2), (4, 8), False),  # blocks of 4
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", BAND_MAJOR_CASES, ids=lambda c: f"{c[0]}-{c[2]}-cf{int(c[3])}")
+def test_band_major_slabs_decode_bit_for_bit_like_the_coefficient_image(case, threads, monkeypatch):
+    import dctchop.codec as codec_module
+    from dctchop.codec import read_stored
+    from dctchop.transform import band_major, channels_first_axes, inverse, inverse_band_major, scatter, slabs
+
+    shape, axes, block, channels_first = case
+    x = (smooth_float_field(shape=(math.prod(shape[:-2]), *shape[-2:])).reshape(shape) * 30 + 120).astype(np.uint8)
+    data = encode_chunk(x, ChunkSettings(axes, block, block, precision="int16", target_psnr=38.0))
+    chunk = read_stored(data, shape, np.uint8)
+    _, seg_starts, seg_bands = chunk.plan.order
+    per_value = np.repeat(chunk.steps[seg_bands], np.diff(seg_starts))
+    values = (chunk.stored.astype(np.float64) * per_value).astype(np.float32)
+    expected = inverse(scatter(values, chunk.plan, np.float32), chunk.plan, np.uint8)
+    if channels_first:
+        expected = np.ascontiguousarray(expected.transpose(channels_first_axes(expected.ndim)))
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", math.prod(shape[1:]) * 8)
+    parts = slabs(chunk.plan, codec_module.SLAB_VALUES)
+    assert len(parts) > 2 and all(band_major(p.plan, np.uint8, channels_first) for p in parts)
+    calls = []
+    monkeypatch.setattr(codec_module, "inverse_band_major",
+                        lambda *args: calls.append(1) or inverse_band_major(*args))
+    np.testing.assert_array_equal(decode_chunk(data, shape, np.uint8, threads, channels_first=channels_first),
+                                  expected)
+    assert len(calls) == len(parts)
+
+
+@pytest.mark.parametrize("shape, axes, block, keep, mask, dtype, channels_first", [
+    ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "float32", False),  # float output
+    ((16, 20, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "uint8", False),  # an edge block
+    ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (6, 6, 3), "square", "uint8", False),  # bands dropped: chop
+    ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "triangle", "uint8", False),
+    ((3, 24, 24), (1, 2), (8, 8), (8, 8), "square", "uint8", False),  # 27 blocks
+    ((16, 16, 16, 3), (1, 2), (8, 8), (8, 8), "square", "uint8", False),  # interleaved colours: 8-byte rows
+    ((16, 32, 32, 3), (1, 2, 3), (16, 16, 3), (16, 16, 3), "square", "uint8", False),  # colour with W in 16s
+])
+def test_band_major_only_where_it_applies(shape, axes, block, keep, mask, dtype, channels_first):
+    from dctchop.transform import band_major
+
+    assert band_major(make_plan(shape, axes, block, keep, mask), dtype, channels_first) is None
+
+
+@settings(deadline=None)  # the first example compiles the kernel
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=8, max_size=8))
+def test_transpose_bytes_is_the_8x8_byte_transpose(words):
+    from dctchop.transform import _transpose_bytes
+
+    w = np.array(words, dtype=np.uint64)
+    out = np.array(_transpose_bytes(*(np.uint64(v) for v in w)), dtype=np.uint64)
+    np.testing.assert_array_equal(out.view(np.uint8).reshape(8, 8), w.view(np.uint8).reshape(8, 8).T)
+
+
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
 def test_bands_coarser_than_their_rms_are_quantized_with_a_dead_zone(dtype):
     """The encoder rounds with the dead zone where a band's step exceeds its RMS; the decoder needs not know."""
