@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -859,6 +860,12 @@ class Placement:
 @lru_cache(maxsize=16)
 def _placement(shape, axes, block, keep, mask) -> Placement:
     index, seg_starts, _ = _plan(shape, axes, block, keep, mask).order
+    return factor_runs(index, seg_starts)
+
+
+def factor_runs(index: np.ndarray, seg_starts: np.ndarray) -> Placement:
+    """:class:`Placement` of the storage order that puts value ``i`` at position ``index[i]`` (of the coefficient
+    image, or of any array the blocks map into the same way)."""
     base = index[seg_starts[:-1]]
     group_runs, offsets = [], []
     for s in range(seg_starts.size - 1):
@@ -1214,14 +1221,15 @@ def channels_first_shape(shape) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------- band-major decode
-# A slab of whole blocks that keeps every band (a --psnr or --ratio store of images whose sides are multiples of
-# the block) decodes to uint8 without its coefficient image. Its dequantized values arrive band-major: one run
-# per band, holding that band of every block of the slab. Each inverse pass is then a product across runs, long
-# rows of blocks that the compiler vectorises without a transpose; the passes are the coefficient image's, in
-# the same order with the same sums, so the result is bit for bit the same. What the coefficient image's
-# placement of the values did (a scattered store per value) happens instead once, on the uint8 result: eight
-# runs' bytes for eight blocks are one 8x8 byte transpose of eight 64-bit words into eight words of output.
-# 32x32 RGB (85 images): 0.77 against 1.28 ns per value for the placement and the inverse.
+# A slab that keeps every band and decodes to uint8 (the --psnr and --ratio stores of images) decodes without
+# its coefficient image. Its dequantized values arrive band-major: per block group (the blocks that share a
+# shape: the full ones, those in an edge column, ...), one run per band holding that band of every block of the
+# group. Each inverse pass is then a product across runs, long rows of blocks that the compiler vectorises
+# without a transpose or the edge-block special cases; the passes are the coefficient image's, in the same order
+# with the same sums, so the result is bit for bit the same. What the coefficient image's placement of the
+# values did (a scattered store per value) happens instead once, on the uint8 result: where whole 8-byte words
+# of output come from eight runs, eight blocks at a time, as one 8x8 byte transpose of eight 64-bit words (32x32
+# RGB: 0.77 against 1.28 ns per value for the placement and the inverse); else a byte at a time (:func:`_move`).
 
 
 @numba.njit(nogil=True, cache=True)
@@ -1297,77 +1305,114 @@ def _bands_to_image(bands, image, rows, offsets, origins):  # pragma: no cover -
 
 @dataclass(frozen=True)
 class BandMajor:
-    """How a slab decodes band-major (see above): the passes as ``(kernel, view, arguments, last)``, the
-    number of blocks, and where the bytes go (:func:`_bands_to_image`'s ``rows``, ``offsets``, ``origins``)."""
+    """How a slab decodes band-major (see above). ``groups``: per block group (the blocks that share a shape;
+    their runs follow one another), its first storage position, size and passes as ``(kernel, view, arguments,
+    last)``. The bytes then go out by 8x8 transposes (``words``: :func:`_bands_to_image`'s ``rows``, ``offsets``
+    and ``origins``) where the slab is one group whose rows of output are whole aligned 8-byte words, else
+    value by value (``scatter``: a :class:`Placement` in output positions, for :func:`_move`)."""
 
-    passes: tuple = field(repr=False)
-    n_blocks: int
-    rows: np.ndarray = field(repr=False)
-    offsets: np.ndarray = field(repr=False)
-    origins: np.ndarray = field(repr=False)
+    groups: tuple = field(repr=False)
+    words: tuple | None = field(repr=False)
+    scatter: Placement = field(repr=False)
+    seg_starts: np.ndarray = field(repr=False)
 
 
 def band_major(plan: TransformPlan, dtype, channels_first: bool = False) -> BandMajor | None:
     """The band-major decode of slabs with ``plan`` into ``dtype`` (cached), or None where it does not apply:
-    output other than uint8, edge blocks, dropped bands, a block count not a multiple of 8, output rows that
-    are not whole 8-byte words, or a colour product that goes with a pass over other than blocks of 8."""
+    output other than uint8, or dropped bands (chop, triangle masks). ``channels_first``: into the slab's
+    channels-first output."""
     return _band_major(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, np.dtype(dtype).str,
                        channels_first)
+
+
+def _group_widths(plan: TransformPlan) -> list[tuple[int, ...]]:
+    """The block shape of each block group in storage order: groups run over which axes are in their edge block
+    (axis ``d`` is bit ``d``, as :func:`_storage_order` ranks them), leaving out groups with no block."""
+    widths = []
+    for g in range(1 << len(plan.axes)):
+        shape = []
+        for d, p in enumerate(plan.axis_plans):
+            edge, full = p.length % p.block, p.length // p.block
+            if (g >> d) & 1 and not edge or not (g >> d) & 1 and not full:
+                break
+            shape.append(edge if (g >> d) & 1 else p.block)
+        else:
+            widths.append(tuple(shape))
+    return widths
+
+
+def _axis_block(p: AxisPlan, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(matrix rows, block_rows for one block) of the blocks of ``width`` samples along an axis keeping all bands."""
+    r0 = int(p.block_rows[p.block_rows[:, 3] == width][0, 0])
+    return p.matrix[r0 : r0 + width], np.array([[0, width, 0, width]])
 
 
 @lru_cache(maxsize=16)
 def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: bool) -> BandMajor | None:
     plan = _plan(shape, axes, block, keep, mask)
-    n_bands = math.prod(block)
-    if (np.dtype(dtype_str) != np.uint8 or keep != block or any(p.length % p.block for p in plan.axis_plans)
-            or plan.n_values != math.prod(shape) or plan.n_values % (8 * n_bands)):
+    if np.dtype(dtype_str) != np.uint8 or keep != block or plan.n_values != math.prod(shape):
         return None
-    n_blocks = plan.n_values // n_bands
     wdt = np.dtype(np.float32)
     order, colour_plan, colour_axis = _pass_order(plan, 1)
-    if colour_plan is not None and (order[-1][0] != colour_axis or order[-1][1].block != 8):
-        return None
-    passes = []
-    for step, (a, p) in enumerate(order):
-        d, last = axes.index(a), step == len(order) - 1
-        lo, hi = (wdt.type(0), wdt.type(255)) if last else (wdt.type(0), wdt.type(0))
-        mat = p.matrix[: p.block].astype(wdt)
-        outer = math.prod(block[:d])
-        if a == colour_axis and colour_plan is not None:
-            passes.append((_inverse_colour8_bands, (outer, 8, 3, n_blocks),
-                           (colour_plan.matrix.astype(wdt), mat, lo, hi, last), last))
-        else:
-            view = (outer, p.block, math.prod(block[d + 1 :]) * n_blocks)
-            passes.append((_inverse_3d, view, (mat, np.array([[0, p.block, 0, p.block]]), lo, hi, last), last))
-    # where each band of block 0, and each block's origin, lie in the (channels-first) output
     index, seg_starts, _ = plan.order
-    to_output = np.arange(math.prod(shape)).reshape(shape)
+    groups, run = [], 0
+    for widths in _group_widths(plan):
+        n_bands = math.prod(widths)
+        first, n_values = int(seg_starts[run]), int(seg_starts[run + n_bands] - seg_starts[run])
+        n_blocks = n_values // n_bands
+        passes = []
+        for step, (a, p) in enumerate(order):
+            d, last = axes.index(a), step == len(order) - 1
+            lo, hi = (wdt.type(0), wdt.type(255)) if last else (wdt.type(0), wdt.type(0))
+            outer, inner = math.prod(widths[:d]), math.prod(widths[d + 1 :]) * n_blocks
+            mat, rows = _axis_block(p, widths[d])
+            if a == colour_axis and colour_plan is not None and widths[d] == 8:
+                passes.append((_inverse_colour8_bands, (outer, 8, 3, n_blocks),
+                               (colour_plan.matrix.astype(wdt), mat.astype(wdt), lo, hi, last), last))
+                continue
+            if a == colour_axis and colour_plan is not None:  # the colour pass of its own, just before
+                colour_mat, colour_rows = _axis_block(colour_plan, 3)
+                passes.append((_inverse_3d, (outer * widths[d], 3, n_blocks),
+                               (colour_mat.astype(wdt), colour_rows, wdt.type(0), wdt.type(0), False), False))
+            passes.append((_inverse_3d, (outer, widths[d], inner), (mat.astype(wdt), rows, lo, hi, last), last))
+        groups.append((first, n_values, tuple(passes)))
+        run += n_bands
+    assert run == seg_starts.size - 1, "block groups do not match the storage order"
+    to_output = np.arange(math.prod(shape))
     if channels_first:
-        to_output = np.moveaxis(np.arange(math.prod(shape)).reshape(channels_first_shape(shape)), 1, -1)
-    to_output = to_output.reshape(-1)
-    bands_at = to_output[index[seg_starts[:-1]]]
-    origins = to_output[index[: n_blocks]] - bands_at[0]
-    bands_at -= bands_at[0]
+        to_output = np.moveaxis(to_output.reshape(channels_first_shape(shape)), 1, -1).reshape(-1)
+    scatter = factor_runs(to_output[index], seg_starts)  # block 0's first value goes to the slab's origin
+    return BandMajor(tuple(groups), _byte_words(scatter) if len(groups) == 1 else None, scatter, seg_starts)
+
+
+def _byte_words(scatter: Placement) -> tuple | None:
+    """:func:`_bands_to_image`'s tables for a slab of one block group, or None unless its blocks come in eights
+    and each block's bytes in the output are whole 8-byte words (rows of 8, 16, 24 .. bytes, aligned)."""
+    bands_at, origins = scatter.base, scatter.blocks
     by_place = np.argsort(bands_at)
-    places = bands_at[by_place].reshape(-1, 8)
-    if np.any(places[:, 0] % 8) or np.any(places - places[:, :1] != np.arange(8)) or np.any(origins % 8):
+    places = bands_at[by_place]
+    if (origins.size % 8 or places.size % 8 or sys.byteorder != "little" or np.any(origins % 8)
+            or np.any(places.reshape(-1, 8) - places[::8, None] != np.arange(8)) or np.any(places[::8] % 8)):
         return None
-    as_words = lambda a: (a // 8).astype(np.int64)
-    return BandMajor(tuple(passes), n_blocks, by_place.reshape(-1, 8).astype(np.int64), as_words(places[:, 0]),
-                     as_words(origins))
+    return by_place.reshape(-1, 8).astype(np.int64), places[::8] // 8, origins // 8
 
 
 def inverse_band_major(values: np.ndarray, scratch: np.ndarray, result: np.ndarray, bm: BandMajor,
                        out: np.ndarray) -> None:
     """Band-major dequantized ``values`` (overwritten, like ``scratch`` of the same size and ``result``, uint8
-    of that size) -> ``out``, the slab's C-contiguous output, 8-byte aligned."""
-    cur, other = values, scratch
-    for kernel, view, args, last in bm.passes:
-        dst = result if last else other
-        kernel(cur.reshape(view), dst.reshape(view), *args)
-        cur, other = dst, cur
-    words = result.reshape(-1, bm.n_blocks).view(np.uint64)
-    _bands_to_image(words, out.reshape(-1).view(np.uint64), bm.rows, bm.offsets, bm.origins)
+    of that size) -> ``out``, the slab's C-contiguous output (8-byte aligned for ``bm.words``)."""
+    for first, n, passes in bm.groups:
+        cur, other = values[first : first + n], scratch[first : first + n]
+        for kernel, view, args, last in passes:
+            dst = result[first : first + n] if last else other
+            kernel(cur.reshape(view), dst.reshape(view), *args)
+            cur, other = dst, cur
+    if bm.words is not None and out.ctypes.data % 8 == 0:
+        n_blocks = bm.words[2].size
+        _bands_to_image(result.reshape(-1, n_blocks).view(np.uint64), out.reshape(-1).view(np.uint64), *bm.words)
+        return
+    p = bm.scatter
+    _move(result, out.reshape(-1), True, bm.seg_starts, p.base, p.group_runs, p.blocks, p.block_starts)
 
 
 def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:
