@@ -431,7 +431,7 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
             values, image, result = buffers[p.shape]
             fill(part.first, part.seg_starts, seg_bands, values)
             target = out[part.region(channels_first)]
-            if bands is not None and target.flags.c_contiguous and target.ctypes.data % 8 == 0:
+            if bands is not None and target.flags.c_contiguous:
                 inverse_band_major(values, image.reshape(-1), result, bands, target)
                 continue
             place(values, p, image.reshape(-1))

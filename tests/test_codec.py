@@ -218,6 +218,9 @@ def test_band_major_slabs_decode_bit_for_bit_like_the_coefficient_image(case, th
     np.testing.assert_array_equal(decode_chunk(data, shape, np.uint8, threads, channels_first=channels_first),
                                   expected)
     assert len(calls) == len(parts)
+    shifted = np.empty(expected.size + 1, np.uint8)[1:].reshape(expected.shape)  # not 8-byte aligned: by bytes
+    decode_chunk(data, shape, np.uint8, threads, out=shifted, channels_first=channels_first)
+    np.testing.assert_array_equal(shifted, expected)
 
 
 @pytest.mark.parametrize("shape, axes, block, keep, mask, dtype", [
