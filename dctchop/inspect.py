@@ -125,7 +125,8 @@ def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
         by_name = {a["source"]: source.lossy[0] for a in info["arrays"].values()} if source.lossy else {}
     else:
         source = open_source(str(source_path), datasets=[a["source"] for a in info["arrays"].values()],
-                             lossless=info.get("lossless", []))
+                             lossless=info.get("lossless", []),
+                             follow_external=info["source"].get("follow_external", False))
         by_name = {a.name: a for a in source.lossy}
     report = {}
     for name, a in info["arrays"].items():

@@ -230,8 +230,9 @@ def _read_rows(src, arr, entry: dict, view: View, indices: list[int]) -> list[Ro
 # ---------------------------------------------------------------------------------------------- sources
 
 
-def open_original(source_path: str, entry: dict, recorded: bool):
-    """The :class:`~dctchop.formats.SourceArray` a store array was made from, checked for shape and dtype."""
+def open_original(source_path: str, entry: dict, recorded: bool, follow_external: bool = False):
+    """The :class:`~dctchop.formats.SourceArray` a store array was made from, checked for shape and dtype
+    (``follow_external``: the store was made following the source's external links)."""
     from dctchop.formats import open_source
 
     if recorded and not os.path.exists(source_path):
@@ -239,7 +240,7 @@ def open_original(source_path: str, entry: dict, recorded: bool):
     if Path(source_path).suffix.lower() == ".npy":
         source = open_source(source_path)
     else:
-        source = open_source(source_path, datasets=[entry["source"]])
+        source = open_source(source_path, datasets=[entry["source"]], follow_external=follow_external)
     candidates = [a for a in source.arrays if a.name == entry["source"] or source.kind == "npy"]
     src = candidates[0] if candidates else None
     if src is None or list(src.shape) != list(entry["shape"]) or str(src.dtype) != entry["dtype"]:
@@ -376,7 +377,7 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
     source_path = str(source) if source is not None else str((info.get("source") or {}).get("path", ""))
     if not source_path:
         raise DctchopError(f"{store} records no source path; pass --source INPUT")
-    src = open_original(source_path, entry, recorded)
+    src = open_original(source_path, entry, recorded, (info.get("source") or {}).get("follow_external", False))
     view = make_view(entry["shape"], entry["axes"], entry["layout"])
     chosen = check_indices(indices, view.n_samples(entry["shape"]), name)
     try:

@@ -686,7 +686,8 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
         "store_format": STORE_FORMAT,
         "version": __version__,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "source": {"path": os.path.abspath(source.path), "kind": source.kind},
+        "source": {"path": os.path.abspath(source.path), "kind": source.kind,
+                   "follow_external": source.follow_external},
         "arrays": arrays,
         "lossless": [array_name(source, a) for a in source.lossless],
         "totals": {

@@ -32,7 +32,7 @@ import operator
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -128,6 +128,8 @@ class Source:
         Arrays to copy bit-exactly (labels, ids, timestamps, ...).
     groups : dict
         HDF5 group path -> JSON-serialisable attrs, root ``"/"`` included; ``{}`` for ``.npy``.
+    follow_external : bool
+        Opened with ``follow_external``: a store made from it says so, and checks against it follow links too.
     """
 
     path: str
@@ -135,6 +137,7 @@ class Source:
     lossy: tuple[SourceArray, ...]
     lossless: tuple[SourceArray, ...]
     groups: dict[str, dict] = field(default_factory=dict)
+    follow_external: bool = False
 
     def __hash__(self) -> int:  # groups is a dict: hash the identifying fields only
         return hash((self.path, self.kind, self.lossy, self.lossless))
@@ -189,7 +192,7 @@ def open_source(
     if suffix in HDF5_SUFFIXES:
         from dctchop.formats import hdf5
 
-        return hdf5.open_hdf5(file, datasets, lossless, follow_external)
+        return replace(hdf5.open_hdf5(file, datasets, lossless, follow_external), follow_external=follow_external)
     raise DctchopError(
         f"{file}: unsupported file type {suffix or '(no suffix)'!r}; expected one of "
         + ", ".join(NPY_SUFFIXES + HDF5_SUFFIXES)

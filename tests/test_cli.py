@@ -381,7 +381,7 @@ def test_compress_h5_defaults_store_layout_and_summary(data, base):
 
     info = root["dctchop"]
     assert info["version"] == __version__
-    assert info["source"] == {"path": str(data.h5), "kind": "hdf5"}
+    assert info["source"] == {"path": str(data.h5), "kind": "hdf5", "follow_external": False}
     assert info["arrays"]["images"]["source"] == "/images"
     assert info["arrays"]["extra/aux"]["source"] == "/extra/aux"
     assert info["arrays"]["images"]["codec"]["block"] == [8, 8, 3]  # RGB: the channel axis is one block
@@ -400,7 +400,7 @@ def test_compress_npy_float_field_defaults(data, field_store):
     assert f"-> {store}" in p.stdout
     info = info_of(store)
     a = info["arrays"]["data"]
-    assert info["source"] == {"path": str(data.field_npy), "kind": "npy"}
+    assert info["source"] == {"path": str(data.field_npy), "kind": "npy", "follow_external": False}
     assert a["axes"] == [0, 1, 2] and a["layout"] == "ZYX" and a["chunks"] == [8, 32, 32]
     assert a["target"] == {"kind": "psnr", "value": 60.0}
     x, y = data.field, decoded(store, "data")
@@ -753,7 +753,7 @@ def test_inspect_json_matches_recomputation(data, base):
     p = ok(run("inspect", base.store, "--json", "--chunks"))
     report = json.loads(p.stdout)
     assert report["store"] == str(base.store)
-    assert report["source"] == {"path": str(data.h5), "kind": "hdf5"}
+    assert report["source"] == {"path": str(data.h5), "kind": "hdf5", "follow_external": False}
     for name, x in (("images", data.images), ("extra/aux", data.aux)):
         a = report["arrays"][name]
         y = decoded(base.store, name)

@@ -542,6 +542,7 @@ def test_external_link_refused_by_default(external):
 def test_external_link_followed(external, monkeypatch):
     monkeypatch.chdir("/")  # relative link targets resolve against the linking file, not the cwd
     src = open_source(external, follow_external=True)
+    assert src.follow_external and not open_source(external, datasets=["local"]).follow_external
     assert names(src.lossy) == ["/ext", "/extg/y", "/local"]
     assert src.groups["/extg"] == {"where": "other"}
     by = {a.name: a for a in src.lossy}

@@ -14,6 +14,7 @@ Every case runs the installed ``dctchop`` executable (or, where a fault has to b
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -331,6 +332,10 @@ def test_hdf5_outside_the_file_accepted_with_follow_external(tmp_path, inputs, n
     assert decoded.shape == original.shape and decoded.dtype == original.dtype
     assert psnr(original, decoded) >= 40 - PSNR_TOL
     assert siblings(out) == []
+    # the store says it followed them, so checks against the source follow them too (they refused it before)
+    assert "verify images: 1 chunk(s) checked, ok" in ok(run("inspect", out, "--verify", inputs / name)).stdout
+    if importlib.util.find_spec("matplotlib"):
+        ok(run("preview", out, "--out", tmp_path / "p.png"))
 
 
 @pytest.mark.parametrize(("dataset", "words"), [
