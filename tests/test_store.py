@@ -137,3 +137,12 @@ def test_an_encode_error_stops_the_pipeline(monkeypatch):
     with pytest.raises(DctchopError, match="chunk 5"):
         list(store._encode_and_write(None, None, [(i, i, i + 1) for i in range(100)], 2))
     assert 5 not in stages.written and len(stages.written) < 100
+
+
+@pytest.mark.parametrize("kind, value, message", [
+    ("psnr", 0.0, "between 0 and 400"), ("psnr", 500.0, "between 0 and 400"), ("psnr", float("nan"), "between"),
+    ("ratio", 0.5, "at least 1"), ("ratio", float("nan"), "at least 1"),
+])
+def test_targets_out_of_range_say_what_is_allowed(kind, value, message):
+    with pytest.raises(DctchopError, match=f"--{kind} must be .*{message}"):
+        Target(kind, value)
