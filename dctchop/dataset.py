@@ -259,11 +259,12 @@ class Dataset:
     """Read-only view of a dctchop store; see :func:`open`.
 
     ``len``, ``shape``, ``dtype`` and integer/slice/fancy indexing refer to the main array (the store's lossy
-    array, the first one when there are several); ``ds[name]`` is any array of the store as an
-    :class:`ArrayView`. Pickles by path, so it can be handed to worker processes.
+    array, the first one when there are several, unless ``main`` names another); ``ds[name]`` is any array of
+    the store as an :class:`ArrayView`. The lossless copies are read in the main array's chunks. Pickles by
+    path, so it can be handed to worker processes.
     """
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, main: str | None = None) -> None:
         self.path = Path(path) if not is_url(path) else os.fspath(path)
         self._threads = resolve_threads(threads)
         group, info = open_store(self.path)
@@ -272,17 +273,19 @@ class Dataset:
         self.lossless_names = tuple(n for n in info.get("lossless", []) if n not in info["arrays"])
         if not self.lossy_names:
             raise DctchopError(f"{self.path}: the store lists no compressed array")
+        main = self.lossy_names[0] if main is None else main
+        if main not in self.lossy_names:
+            raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "
+                               f"{', '.join(self.lossy_names)}")
         self._views: dict[str, ArrayView] = {}
-        main_chunk = None
         for name in self.lossy_names:
             array = self._zarr_array(group, name)
-            reader = _LossyArray(Location(self.path), name, array)
-            main_chunk = main_chunk or reader.chunk_len
-            self._views[name] = ArrayView(reader, info["arrays"][name], self._threads)
+            self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array), info["arrays"][name],
+                                          self._threads)
+        self.main = self._views[main]
         for name in self.lossless_names:
             array = self._zarr_array(group, name)
-            self._views[name] = ArrayView(_LosslessArray(name, array, main_chunk), None, self._threads)
-        self.main = self._views[self.lossy_names[0]]
+            self._views[name] = ArrayView(_LosslessArray(name, array, self.main.chunk_len), None, self._threads)
 
     def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:
         try:
@@ -341,17 +344,18 @@ class Dataset:
         return self.main.__array__(dtype)
 
     def __getstate__(self) -> dict:
-        return {"path": str(self.path), "threads": self._threads}
+        return {"path": str(self.path), "threads": self._threads, "main": self.main.name}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"], state["threads"])
+        self.__init__(state["path"], state["threads"], state["main"])
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}: {self._views[n].dtype}{list(self._views[n].shape)}" for n in self.arrays)
         return f"<dctchop.Dataset {str(self.path)!r} ({parts})>"
 
 
-def open(path: str | os.PathLike, threads: int | None = None) -> Dataset:  # dctchop.open, like builtins.open for files
+def open(path: str | os.PathLike, threads: int | None = None,
+         main: str | None = None) -> Dataset:  # dctchop.open, like builtins.open for files
     """Open a dctchop store read-only as a lazily decoding :class:`Dataset`.
 
     Parameters
@@ -360,11 +364,14 @@ def open(path: str | os.PathLike, threads: int | None = None) -> Dataset:  # dct
         The store directory (made by ``dctchop compress``), or its fsspec URL (``s3://bucket/x.zarr``).
     threads : int, optional
         Threads for requests that span several chunks; default one per core.
+    main : str, optional
+        The compressed array that ``len``, ``shape`` and indexing refer to (default: the first), say
+        ``test/images`` of a store that holds a train and a test split of different lengths.
 
     Raises
     ------
     DctchopError
         When ``path`` does not exist, is not a Zarr store, or is not a dctchop store.
     """
-    return Dataset(path, threads)
+    return Dataset(path, threads, main)
 

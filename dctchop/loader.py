@@ -363,6 +363,9 @@ class Loader:
                 raise DctchopError("dtype bfloat16 needs output='torch' (numpy has no bfloat16)")
         self.dataset = path if isinstance(path, Dataset) else Dataset(path, threads=1)
         self.names = self._choose_arrays(arrays)
+        lossy = [n for n in self.names if self.dataset.array(n).lossy]
+        if lossy and lossy[0] != self.dataset.main.name:  # samples and chunks are counted on the first one
+            self.dataset = Dataset(self.dataset.path, threads=1, main=lossy[0])
         first = next((n for n in self.names if self.dataset.array(n).lossy), None)
         self.specs = [self._spec(name, name == first, dtype, layout, mean, std) for name in self.names]
         self._views = [self.dataset.array(name) for name in self.names]
@@ -381,24 +384,27 @@ class Loader:
 
     # setup ---------------------------------------------------------------------------------------------
     def _choose_arrays(self, arrays) -> list[str]:
+        """The arrays to yield, checked: as many samples as the first compressed one among them (the
+        dataset's main array when there is none), and compressed ones in chunks of the same length."""
         ds = self.dataset
         if arrays is None:
-            names = [ds.lossy_names[0]] + (["labels"] if "labels" in ds.lossless_names else [])
+            names = [ds.main.name] + (["labels"] if "labels" in ds.lossless_names else [])
         else:
             names = [arrays] if isinstance(arrays, str) else list(arrays)
             if not names:
                 raise DctchopError("arrays names no array")
             for name in names:
                 ds.array(name)  # raises naming the store's arrays
-        n = len(ds)
+        first = next((ds.array(n) for n in names if ds.array(n).lossy), ds.main)
+        n = first.shape[0]
         for name in names:
             view = ds.array(name)
             if not view.shape or view.shape[0] != n:
                 raise DctchopError(f"array {name} has shape {list(view.shape)}; the loader needs {n} samples along "
-                                   f"axis 0 like {ds.main.name}")
-            if view.lossy and view.chunk_len != ds.chunk_len:
-                raise DctchopError(f"array {name} is chunked by {view.chunk_len} samples, {ds.main.name} by "
-                                   f"{ds.chunk_len}; the loader needs them aligned")
+                                   f"axis 0 like {first.name}")
+            if view.lossy and view.chunk_len != first.chunk_len:
+                raise DctchopError(f"array {name} is chunked by {view.chunk_len} samples, {first.name} by "
+                                   f"{first.chunk_len}; the loader needs them aligned")
         return names
 
     def _spec(self, name: str, first: bool, dtype, layout: str, mean, std) -> OutputSpec:

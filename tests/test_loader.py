@@ -121,6 +121,31 @@ def test_lossless_arrays_read_across_their_own_chunks(tmp_path, monkeypatch):
     np.testing.assert_array_equal(dctchop.open(tmp_path / "s.zarr")["index"][::-1], np.arange(300)[::-1])
 
 
+def test_a_split_of_its_own_length_loads_by_name(tmp_path):
+    """A store with a test and a train split of different lengths: the loader counts samples and chunks on the
+    first compressed array it is asked for, and the lossless arrays follow that one's chunks."""
+    with h5py.File(ROOT / "sample_data/images.h5") as f:
+        images = f["images"][:270]
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["test/images"], f["test/index"] = images[200:], np.arange(70)
+        f["train/images"], f["train/index"] = images[:200], np.arange(200)
+    store = tmp_path / "split.zarr"
+    compress(open_source(str(tmp_path / "in.h5")), store, CompressOptions(chunk_samples=32))
+    assert dctchop.open(store).main.name == "test/images" and len(dctchop.open(store)) == 70
+    train = dctchop.open(store, main="train/images")
+    assert len(train) == 200
+    loader = dctchop.Loader(store, batch_size=16, arrays=["train/images", "train/index"], dtype=None,
+                            layout="stored")
+    assert len(loader) == 13 and loader.dataset.main.name == "train/images"
+    seen = []
+    for x, index in collect(loader):
+        np.testing.assert_array_equal(x, train[index])
+        seen += index.tolist()
+    assert sorted(seen) == list(range(200))
+    with pytest.raises(DctchopError, match="no compressed array 'train/index' to be the main one"):
+        dctchop.open(store, main="train/index")
+
+
 def test_open_refuses_what_is_not_a_store(tmp_path):
     with pytest.raises(DctchopError, match="does not exist"):
         dctchop.open(tmp_path / "missing.zarr")
