@@ -600,6 +600,11 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     """
     output = Location(output)
     _check_output(source.path, output, overwrite)
+    for array in source.arrays:
+        name = array_name(source, array)
+        if name == META_GROUP or name.startswith(f"{META_GROUP}/"):
+            raise DctchopError(f"{source.path}: dataset /{name} would take the place of the store's metadata group "
+                               f"{META_GROUP}; name the datasets to keep with --dataset/--lossless to leave it out")
     plans = plans if plans is not None else [plan_array(source, a, options) for a in source.lossy]
     if not plans:
         raise DctchopError(f"{source.path}: nothing to compress lossily (no numeric array with 2 or more "

@@ -908,6 +908,18 @@ def test_decompress_h5_with_string_list_attribute(data, tmp_path):
             ["cat", "dog", "emu"]
 
 
+def test_dataset_named_like_the_metadata_group_is_refused(data, tmp_path):
+    # it made compress fail with zarr's ContainsGroupError (an internal error)
+    src = tmp_path / "meta.h5"
+    with h5py.File(src, "w") as f:
+        f["images"], f["dctchop_meta"] = data.images[:16], data.images[:16]
+    out = tmp_path / "m.zarr"
+    user_error(run("compress", src, out), "/dctchop_meta", "metadata group", "--dataset")
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+    ok(run("compress", src, out, "--dataset", "images", "--quiet"))
+    assert zarr.open_group(out, mode="r")["images"].shape == (16, 32, 32, 3)
+
+
 def test_scalar_hdf5_dataset_round_trips(data, tmp_path):
     # a scalar (version, timestamp) beside the images: compress asked zarr for chunks=None (internal error on
     # zarr 3.1 and 3.2+), and decompress to .h5 indexed it with a slice
