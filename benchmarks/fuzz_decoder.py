@@ -2,9 +2,10 @@
 
 Every case must either decode to an array of the expected shape and dtype or raise ``CorruptChunkError``:
 any other exception, a crash, or a case slower than ``--max-seconds`` is a failure. Seeds come from valid
-chunks of many settings (every precision, both masks, 1-3 axes, edge blocks); mutations are bit flips, byte
-overwrites with boundary values, truncation, extension, splices of two chunks, header fields set to extreme
-values, and pure random bytes. The decoder only ever allocates what the expected chunk shape allows.
+chunks of many settings (every precision, both masks, 1-3 axes, edge blocks, both decode paths of uint8);
+mutations are bit flips, byte overwrites with boundary values, truncation, extension, splices of two chunks,
+header fields set to extreme values, and pure random bytes. The decoder only ever allocates what the expected
+chunk shape allows.
 
     .venv/bin/python benchmarks/fuzz_decoder.py --cases 10000 --seed 1
 """
@@ -30,6 +31,9 @@ SEED_SETTINGS = [
     ((12, 10, 9), "float32", ChunkSettings((0, 1, 2), (4, 4, 4), (3, 2, 4), "square", "float32")),
     ((5, 50), "float64", ChunkSettings((1,), (16,), (9,), "square", "int16")),
     ((2, 2, 12, 12), "float16", ChunkSettings((2, 3), (6, 6), (4, 4), "triangle", "int8", step=0.05)),
+    # uint8 keeping every band: band-major decode, by byte transposes and by byte stores (edge blocks)
+    ((8, 16, 16, 3), "uint8", ChunkSettings((1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "int16", target_psnr=40.0)),
+    ((3, 20, 28), "uint8", ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int8", step=2.0)),
 ]
 BOUNDARY = [0, 1, 2, 3, 7, 8, 63, 64, 65, 127, 128, 255]
 
