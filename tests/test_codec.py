@@ -188,6 +188,7 @@ BAND_MAJOR_CASES = [  # uint8 chunks keeping every band decode band-major; True:
     ((30, 20, 28, 3), (1, 2, 3), (8, 8, 3), True, False),  # edge blocks, colour as a pass of its own there
     ((24, 32, 32, 3), (1, 2, 3), (16, 16, 3), False, True),  # colour with a pass over W in blocks of 16
     ((20, 24, 24), (1, 2), (8, 8), False, False),  # 9 blocks a sample: slabs of 54 and 63 blocks, not eights
+    ((40, 12, 8), (1, 2), (8, 8), False, False),  # one full and one edge block a sample: alike block offsets
 ]
 
 
