@@ -860,6 +860,14 @@ def test_decompress_single_array_store_to_npy(psnr45, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["restored.npy"]
 
 
+def test_decompress_into_the_store_is_refused(psnr45, tmp_path):
+    store = tmp_path / "s.zarr"
+    shutil.copytree(psnr45.store, store)
+    before = snapshot(store)
+    user_error(run("decompress", store, store / "data" / "x.npy"), "must not be inside the store")
+    assert snapshot(store) == before
+
+
 def test_decompress_to_h5_restores_arrays_groups_attrs(data, base, tmp_path):
     out = tmp_path / "restored.h5"
     p = ok(run("decompress", base.store, out))
