@@ -23,6 +23,7 @@ edge block) and within a band they follow the array's C order.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -1223,7 +1224,7 @@ def channels_first_shape(shape) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------- band-major decode
 # A slab that keeps every band and decodes to uint8 (the --psnr and --ratio stores of images) decodes without
 # its coefficient image. Its dequantized values arrive band-major: per block group (the blocks that share a
-# shape: the full ones, those in an edge column, ...), one run per band holding that band of every block of the
+# shape: the full ones, those in an edge column, ...; the storage order ranks runs by group), one run per band holding that band of every block of the
 # group. Each inverse pass is then a product across runs, long rows of blocks that the compiler vectorises
 # without a transpose or the edge-block special cases; the passes are the coefficient image's, in the same order
 # with the same sums, so the result is bit for bit the same. What the coefficient image's placement of the
@@ -1325,22 +1326,6 @@ def band_major(plan: TransformPlan, dtype, channels_first: bool = False) -> Band
                        channels_first)
 
 
-def _group_widths(plan: TransformPlan) -> list[tuple[int, ...]]:
-    """The block shape of each block group in storage order: groups run over which axes are in their edge block
-    (axis ``d`` is bit ``d``, as :func:`_storage_order` ranks them), leaving out groups with no block."""
-    widths = []
-    for g in range(1 << len(plan.axes)):
-        shape = []
-        for d, p in enumerate(plan.axis_plans):
-            edge, full = p.length % p.block, p.length // p.block
-            if (g >> d) & 1 and not edge or not (g >> d) & 1 and not full:
-                break
-            shape.append(edge if (g >> d) & 1 else p.block)
-        else:
-            widths.append(tuple(shape))
-    return widths
-
-
 def _axis_block(p: AxisPlan, width: int) -> tuple[np.ndarray, np.ndarray]:
     """(matrix rows, block_rows for one block) of the blocks of ``width`` samples along an axis keeping all bands."""
     r0 = int(p.block_rows[p.block_rows[:, 3] == width][0, 0])
@@ -1355,11 +1340,15 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
     wdt = np.dtype(np.float32)
     order, colour_plan, colour_axis = _pass_order(plan, 1)
     index, seg_starts, _ = plan.order
-    groups, run = [], 0
-    for widths in _group_widths(plan):
-        n_bands = math.prod(widths)
-        first, n_values = int(seg_starts[run]), int(seg_starts[run + n_bands] - seg_starts[run])
-        n_blocks = n_values // n_bands
+    run_coords = np.unravel_index(index[seg_starts[:-1]], plan.coefficient_shape)  # each run's first value
+    kinds = np.stack([p.width[run_coords[a]] for a, p in zip(axes, plan.axis_plans)], axis=1)  # its block's shape
+    bounds = [0, *(np.flatnonzero(np.any(np.diff(kinds, axis=0), axis=1)) + 1), kinds.shape[0]]
+    groups = []
+    for r0, r1 in itertools.pairwise(bounds):  # a block group's runs: one per band, in C order
+        widths = tuple(int(w) for w in kinds[r0])
+        assert r1 - r0 == math.prod(widths), "a block group does not store every band"
+        first, n_values = int(seg_starts[r0]), int(seg_starts[r1] - seg_starts[r0])
+        n_blocks = n_values // (r1 - r0)
         passes = []
         for step, (a, p) in enumerate(order):
             d, last = axes.index(a), step == len(order) - 1
@@ -1376,8 +1365,6 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
                                (colour_mat.astype(wdt), colour_rows, wdt.type(0), wdt.type(0), False), False))
             passes.append((_inverse_3d, (outer, widths[d], inner), (mat.astype(wdt), rows, lo, hi, last), last))
         groups.append((first, n_values, tuple(passes)))
-        run += n_bands
-    assert run == seg_starts.size - 1, "block groups do not match the storage order"
     to_output = np.arange(math.prod(shape))
     if channels_first:
         to_output = np.moveaxis(to_output.reshape(channels_first_shape(shape)), 1, -1).reshape(-1)
