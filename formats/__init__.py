@@ -32,7 +32,7 @@ import operator
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -192,7 +192,7 @@ def open_source(
     if suffix in HDF5_SUFFIXES:
         from dctchop.formats import hdf5
 
-        return replace(hdf5.open_hdf5(file, datasets, lossless, follow_external), follow_external=follow_external)
+        return hdf5.open_hdf5(file, datasets, lossless, follow_external)
     raise DctchopError(
         f"{file}: unsupported file type {suffix or '(no suffix)'!r}; expected one of "
         + ", ".join(NPY_SUFFIXES + HDF5_SUFFIXES)

@@ -381,7 +381,8 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         f.close()
         raise DctchopError(f"{file}: cannot read HDF5 structure ({_one_line(exc)})") from None
     f.close()
-    return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups)
+    return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups,
+                  follow_external=follow_external)
 
 
 class _Handle:
