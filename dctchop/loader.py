@@ -363,10 +363,9 @@ class Loader:
                 raise DctchopError("dtype bfloat16 needs output='torch' (numpy has no bfloat16)")
         self.dataset = path if isinstance(path, Dataset) else Dataset(path, threads=1)
         self.names = self._choose_arrays(arrays)
-        lossy = [n for n in self.names if self.dataset.array(n).lossy]
-        if lossy and lossy[0] != self.dataset.main.name:  # samples and chunks are counted on the first one
-            self.dataset = Dataset(self.dataset.path, threads=1, main=lossy[0])
         first = next((n for n in self.names if self.dataset.array(n).lossy), None)
+        if first is not None and first != self.dataset.main.name:  # samples and chunks are counted on it
+            self.dataset = Dataset(self.dataset.path, threads=1, main=first)
         self.specs = [self._spec(name, name == first, dtype, layout, mean, std) for name in self.names]
         self._views = [self.dataset.array(name) for name in self.names]
         # channels-last arrays yielded channels-first are decoded that way (planar kernels; a cheap gather)
