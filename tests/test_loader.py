@@ -351,7 +351,7 @@ def test_breaking_out_early_stops_the_threads(image_store):
     deadline = time.time() + 10
     while any(t.name.startswith("dctchop-") for t in threading.enumerate()) and time.time() < deadline:
         time.sleep(0.05)
-    assert not any(t.name.startswith(("dctchop-decode", "dctchop-batch")) for t in threading.enumerate())
+    assert not any(t.name.startswith(("dctchop-loader", "dctchop-batch")) for t in threading.enumerate())
 
 
 def test_a_damaged_chunk_is_reported_by_name(image_store, tmp_path):
