@@ -33,6 +33,9 @@ from functools import lru_cache
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from dctchop.errors import DctchopError
 
@@ -1265,28 +1268,26 @@ def _inverse_colour8_bands(src, dst, colour, mat, lo, hi, is_int):  # pragma: no
                         first[k] = _store(e + od, lo, hi, is_int)
 
 
-@numba.njit(inline="always")
-def _swap_pairs(a0, b0, a1, b1, a2, b2, a3, b3, mask, shift):  # pragma: no cover - compiled
-    """One step of an 8x8 byte transpose on four pairs of words: swap the ``mask``-ed units of each ``a``'s high
-    half with its ``b``'s low half."""
-    n = ~mask
-    return ((a0 & mask) | ((b0 & mask) << shift), ((a0 >> shift) & mask) | (b0 & n),
-            (a1 & mask) | ((b1 & mask) << shift), ((a1 >> shift) & mask) | (b1 & n),
-            (a2 & mask) | ((b2 & mask) << shift), ((a2 >> shift) & mask) | (b2 & n),
-            (a3 & mask) | ((b3 & mask) << shift), ((a3 >> shift) & mask) | (b3 & n))
+@intrinsic
+def _transpose_bytes(typingctx, w0, w1, w2, w3, w4, w5, w6, w7):  # pragma: no cover - compiled
+    """Eight little-endian words as an 8x8 byte matrix (byte k of word j), transposed: byte j of word k.
 
+    One LLVM shuffle of the 64 bytes, which the compiler lowers to the target's byte permutes (a vpermb with
+    AVX-512): 2.5x faster for :func:`_bands_to_image` than swapping bytes, 16-bit and 32-bit units between
+    words with shifts and masks (0.087 against 0.22 ns per byte)."""
+    words = types.UniTuple(types.uint64, 8)
 
-@numba.njit(inline="always")
-def _transpose_bytes(w0, w1, w2, w3, w4, w5, w6, w7):  # pragma: no cover - compiled
-    """Eight little-endian words as an 8x8 byte matrix (byte k of word j), transposed: byte j of word k. Bytes,
-    then 16-bit and 32-bit units, swap between words 1, 2 and 4 apart."""
-    w0, w1, w2, w3, w4, w5, w6, w7 = _swap_pairs(w0, w1, w2, w3, w4, w5, w6, w7,
-                                                 np.uint64(0x00FF00FF00FF00FF), np.uint64(8))
-    w0, w2, w1, w3, w4, w6, w5, w7 = _swap_pairs(w0, w2, w1, w3, w4, w6, w5, w7,
-                                                 np.uint64(0x0000FFFF0000FFFF), np.uint64(16))
-    w0, w4, w1, w5, w2, w6, w3, w7 = _swap_pairs(w0, w4, w1, w5, w2, w6, w3, w7,
-                                                 np.uint64(0x00000000FFFFFFFF), np.uint64(32))
-    return w0, w1, w2, w3, w4, w5, w6, w7
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        vector = ir.Constant(ir.VectorType(ir.IntType(64), 8), ir.Undefined)
+        for k, word in enumerate(args):
+            vector = builder.insert_element(vector, word, i32(k))
+        as_bytes = builder.bitcast(vector, ir.VectorType(ir.IntType(8), 64))
+        source_of = ir.Constant(ir.VectorType(i32, 64), [8 * (p % 8) + p // 8 for p in range(64)])
+        transposed = builder.bitcast(builder.shuffle_vector(as_bytes, as_bytes, source_of), vector.type)
+        return context.make_tuple(builder, words, [builder.extract_element(transposed, i32(k)) for k in range(8)])
+
+    return words(*[types.uint64] * 8), codegen
 
 
 @numba.njit(nogil=True, cache=True)
