@@ -4,8 +4,9 @@ What it measures, for the same samples in the same order (the dctchop loader's s
 epoch) and the same output (contiguous float32 batches, channels-first and normalised for images):
 
 * ``dctchop``: :class:`dctchop.Loader` over a store compressed with the defaults (``--psnr 40`` for uint8,
-  ``--psnr 60`` for float; the axes the compressor picks), with 1 and 2 decoding threads; for images also a
-  store transformed over H and W only (``--axes 1,2``: no transform across the colour channels);
+  ``--psnr 60`` for float; the axes the compressor picks), with 1 and 2 threads (each decodes chunks and
+  gathers batches); for images also a store transformed over H and W only (``--axes 1,2``: no transform
+  across the colour channels);
 * ``npy mmap``: the uncompressed array as a memory-mapped ``.npy`` (already in the page cache), each
   batch read by fancy indexing and converted, built on 1 and 2 threads;
 * ``jpeg``: images only, every sample a separate JPEG (simplejpeg, 4:4:4) at the lowest quality whose PSNR

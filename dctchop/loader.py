@@ -21,7 +21,7 @@ uses it. Decoded chunks and batches go into arrays handed out before and no long
 (:class:`_RecycledArrays`) when there are some, else new ones.
 
 Device decode. With ``device=`` set, only the stored coefficients of each chunk cross to the device, where
-:mod:`dctchop.torch_decode` runs the inverse transform; batches are gathered there. The decoding threads
+:mod:`dctchop.torch_decode` runs the inverse transform; batches are gathered there. The worker threads
 read the chunks and stage their coefficients in pinned memory; one batch thread of its own launches the copies
 and device work, in batch order.
 """
@@ -521,7 +521,7 @@ class Loader:
             batch_pool.shutdown(wait=False, cancel_futures=True)
 
     def _load_chunk(self, c: int) -> dict:
-        """Runs in a decoding thread: chunk ``c`` of every array, prepared for gathering (or staged for
+        """Runs in a worker thread: chunk ``c`` of every array, prepared for gathering (or staged for
         device decode)."""
         loaded = {}
         for spec, view, fused, cf in zip(self._chunk_specs, self._views, self._fused, self._decode_channels_first):

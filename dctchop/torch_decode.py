@@ -146,7 +146,7 @@ def block_groups(plan: TransformPlan) -> tuple[BlockGroup, ...]:
 @dataclass(frozen=True)
 class StagedChunk:
     """A coded chunk whose stored values and steps sit in host tensors, pinned when bound for a GPU: crossing
-    is then one asynchronous copy each. The loader stages chunks in its decoding threads, which keeps the
+    is then one asynchronous copy each. The loader stages chunks in its worker threads, which keeps the
     copy into pinned memory (milliseconds for a chunk of a few MB) off the thread that assembles batches."""
 
     plan: TransformPlan
