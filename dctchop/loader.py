@@ -13,11 +13,10 @@ and normalisation in the same pass (float32 output; other conversions are made o
 decoded). Chunks and batches share one first-in first-out queue: a batch is queued after the chunks it reads,
 so it never waits for a chunk no thread has taken, and at the end of an epoch, with nothing left to decode,
 every thread gathers (a thread of its own for the batches left one core idle there: 7% fewer images/s on 2
-cores). Channels-last arrays yielded channels-first are decoded channels-first
-(``decode_chunk(..., channels_first=True)``): the gather then reads contiguous colour planes, where
-deinterleaving NHWC samples cost it about 8x more. ``prefetch`` batches are built ahead while the training step runs, decoding
-runs up to ``window`` chunks ahead of the batches, and a decoded chunk is dropped after the last batch that
-uses it. Decoded chunks and batches go into arrays handed out before and no longer referenced anywhere
+cores). Channels-last arrays yielded channels-first are decoded channels-first (``decode_chunk(...,
+channels_first=True)``): the gather then reads contiguous colour planes, where deinterleaving NHWC samples
+cost it about 8x more. ``prefetch`` batches are built ahead while the training step runs, decoding runs up to
+``window`` chunks ahead of the batches, and a decoded chunk is dropped after the last batch that uses it. Decoded chunks and batches go into arrays handed out before and no longer referenced anywhere
 (:class:`_RecycledArrays`) when there are some, else new ones.
 
 Device decode. With ``device=`` set, only the stored coefficients of each chunk cross to the device, where
@@ -473,7 +472,8 @@ class Loader:
         samples = order[by_chunk]
         chunks = samples // self.dataset.chunk_len
         starts = np.flatnonzero(np.diff(chunks, prepend=-1) | np.diff(batch, prepend=-1))
-        groups = zip(batch[starts].tolist(), chunks[starts].tolist(), starts.tolist(), [*starts[1:].tolist(), order.size])
+        ends = [*starts[1:].tolist(), order.size]
+        groups = zip(batch[starts].tolist(), chunks[starts].tolist(), starts.tolist(), ends)
         out = [_Batch(samples[b * self.batch_size : (b + 1) * self.batch_size], []) for b in range(len(self))]
         for b, c, lo, hi in groups:
             out[b].groups.append((c, lo - b * self.batch_size, hi - b * self.batch_size))

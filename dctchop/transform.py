@@ -1227,13 +1227,14 @@ def channels_first_shape(shape) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------- band-major decode
 # A slab that keeps every band and decodes to uint8 (the --psnr and --ratio stores of images) decodes without
 # its coefficient image. Its dequantized values arrive band-major: per block group (the blocks that share a
-# shape: the full ones, those in an edge column, ...; the storage order ranks runs by group), one run per band holding that band of every block of the
-# group. Each inverse pass is then a product across runs, long rows of blocks that the compiler vectorises
-# without a transpose or the edge-block special cases; the passes are the coefficient image's, in the same order
-# with the same sums, so the result is bit for bit the same. What the coefficient image's placement of the
-# values did (a scattered store per value) happens instead once, on the uint8 result: where whole 8-byte words
-# of output come from eight runs, eight blocks at a time, as one 8x8 byte transpose of eight 64-bit words (32x32
-# RGB: 0.77 against 1.28 ns per value for the placement and the inverse); else a byte at a time (:func:`_move`).
+# shape: the full ones, those in an edge column, ...; the storage order ranks runs by group), one run per band
+# holding that band of every block of the group. Each inverse pass is then a product across runs, long rows of
+# blocks that the compiler vectorises without a transpose or the edge-block special cases; the passes are the
+# coefficient image's, in the same order with the same sums, so the result is bit for bit the same. What the
+# coefficient image's placement of the values did (a scattered store per value) happens instead once, on the
+# uint8 result: where whole 8-byte words of output come from eight runs, eight blocks at a time, as one 8x8 byte
+# transpose of eight 64-bit words (:func:`_transpose_bytes`; 32x32 RGB when the transpose still used shifts and
+# masks: 0.77 against 1.28 ns per value for the placement and the inverse); else a byte at a time (:func:`_move`).
 
 
 @numba.njit(nogil=True, cache=True)
