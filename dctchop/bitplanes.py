@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from dctchop.errors import CorruptChunkError
+from dctchop.jit import numba
 from dctchop.quantize import longest_run
 
 

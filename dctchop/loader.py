@@ -35,11 +35,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-import numba
 import numpy as np
 
 from dctchop.dataset import Dataset
 from dctchop.errors import DctchopError
+from dctchop.jit import numba
 from dctchop.layout import infer_axes
 from dctchop.transform import channels_first_axes, channels_first_shape, resolve_threads
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 
 from dctchop.errors import DctchopError
+from dctchop.jit import numba
 
 FLOAT_PRECISIONS = ("float32", "float16", "bfloat16")
 INT_PRECISIONS = ("int8", "int16")

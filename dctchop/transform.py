@@ -31,13 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 from dctchop.errors import DctchopError
+from dctchop.jit import numba
 
 BLOCK_MIN = 2
 BLOCK_MAX = 64
