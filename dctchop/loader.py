@@ -252,22 +252,24 @@ class _RecycledArrays:
     """
 
     def __init__(self, size: int) -> None:
-        self._arrays: deque[np.ndarray] = deque(maxlen=size)
+        self._size = size  # arrays of one shape and dtype kept; each kind has its own (batches of labels
+        self._arrays: dict[tuple, deque[np.ndarray]] = {}  # and images must not push each other out)
         self._lock = threading.Lock()  # iterations running at once share the pool
         self._probe = [np.empty(0)]  # referred to like a free pooled array: by a container and one local
 
     def get(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         with self._lock:
+            arrays = self._arrays.setdefault((shape, dtype), deque(maxlen=self._size))
             probe = self._probe[0]
             free = sys.getrefcount(probe)  # what the interpreter counts for an array nobody else holds
-            for k in range(len(self._arrays)):
-                array = self._arrays[k]
-                if array.shape == shape and array.dtype == dtype and sys.getrefcount(array) == free:
-                    del self._arrays[k]
-                    self._arrays.append(array)
+            for k in range(len(arrays)):
+                array = arrays[k]
+                if sys.getrefcount(array) == free:
+                    del arrays[k]
+                    arrays.append(array)
                     return array
             array = np.empty(shape, dtype=dtype)
-            self._arrays.append(array)
+            arrays.append(array)
             return array
 
 
