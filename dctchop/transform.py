@@ -1238,10 +1238,24 @@ def channels_first_shape(shape) -> tuple[int, ...]:
 
 
 @numba.njit(inline="always")
+def _rows8_tile(x, dst, col, d0, t, mat, lo, hi, is_int, zero):  # pragma: no cover - compiled
+    """``dst[j, col, d0 + k] = sum_v mat[v, j] * x[v, k]`` for ``k < t``: a last pass with 8 kept rows over a
+    tile (``x``: ``(8, >= t)``) into band-major ``dst`` (``(8, columns, blocks)``), with the sums of
+    :func:`_inverse_3d`."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]
+    for j in range(4):
+        m = _rows8(mat, 0, j)
+        first, last = dst[j, col, d0 : d0 + t], dst[7 - j, col, d0 : d0 + t]
+        for k in range(t):
+            e, od = _even_odd(m, x0[k], x1[k], x2[k], x3[k], x4[k], x5[k], x6[k], x7[k], zero)
+            last[k] = _store(e - od, lo, hi, is_int)
+            first[k] = _store(e + od, lo, hi, is_int)
+
+
+@numba.njit(inline="always")
 def _colour8_tile(x, x0, dst, d0, t, planes, colour, mat, lo, hi, is_int, zero):  # pragma: no cover - compiled
     """``dst[j, i, d0 + k] = sum_v mat[v, j] * sum_c colour[c, i] * x[v, c, x0 + k]`` for ``k < t``: the colour
-    product of :func:`_colour_planes` into ``planes`` (``(3, 8, >= t)``), then an 8-point pass by even and odd
-    bands as in :func:`_inverse_3d`."""
+    product of :func:`_colour_planes` into ``planes`` (``(3, 8, >= t)``), then :func:`_rows8_tile` per colour."""
     c00, c01, c02, c10, c11, c12 = colour[0, 0], colour[0, 1], colour[0, 2], colour[1, 0], colour[1, 1], colour[1, 2]
     c20, c21, c22 = colour[2, 0], colour[2, 1], colour[2, 2]
     for v in range(8):
@@ -1252,15 +1266,7 @@ def _colour8_tile(x, x0, dst, d0, t, planes, colour, mat, lo, hi, is_int, zero):
             p1[k] = c01 * a[k] + c11 * b[k] + c21 * c[k]
             p2[k] = c02 * a[k] + c12 * b[k] + c22 * c[k]
     for i in range(3):
-        y0, y1, y2, y3 = planes[i, 0], planes[i, 1], planes[i, 2], planes[i, 3]
-        y4, y5, y6, y7 = planes[i, 4], planes[i, 5], planes[i, 6], planes[i, 7]
-        for j in range(4):
-            m = _rows8(mat, 0, j)
-            first, last = dst[j, i, d0 : d0 + t], dst[7 - j, i, d0 : d0 + t]
-            for k in range(t):
-                e, od = _even_odd(m, y0[k], y1[k], y2[k], y3[k], y4[k], y5[k], y6[k], y7[k], zero)
-                last[k] = _store(e - od, lo, hi, is_int)
-                first[k] = _store(e + od, lo, hi, is_int)
+        _rows8_tile(planes[i], dst, i, d0, t, mat, lo, hi, is_int, zero)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -1276,34 +1282,67 @@ def _inverse_colour8_bands(src, dst, colour, mat, lo, hi, is_int):  # pragma: no
                           zero)
 
 
+@numba.njit(inline="always")
+def _pair(src, r, over_first, b0, t, m, first, last, zero):  # pragma: no cover - compiled
+    """An 8-point pass with 8 kept rows over the first (``over_first``) or the second axis of band-major ``src``
+    (``(8, 8 or more, blocks)``), at row ``r`` of the other axis and blocks ``b0 .. b0 + t``: its output rows
+    ``j`` and ``7 - j`` (``m``: :func:`_rows8` of ``j``) into ``first`` and ``last``, with the sums of
+    :func:`_inverse_3d`. The rows are taken one by one: as the rows of a strided view they would not be known
+    to be contiguous, and 32x32 RGB would decode 1.7x slower."""
+    if over_first:
+        x0, x1, x2, x3 = src[0, r, b0 : b0 + t], src[1, r, b0 : b0 + t], src[2, r, b0 : b0 + t], src[3, r, b0 : b0 + t]
+        x4, x5, x6, x7 = src[4, r, b0 : b0 + t], src[5, r, b0 : b0 + t], src[6, r, b0 : b0 + t], src[7, r, b0 : b0 + t]
+    else:
+        x0, x1, x2, x3 = src[r, 0, b0 : b0 + t], src[r, 1, b0 : b0 + t], src[r, 2, b0 : b0 + t], src[r, 3, b0 : b0 + t]
+        x4, x5, x6, x7 = src[r, 4, b0 : b0 + t], src[r, 5, b0 : b0 + t], src[r, 6, b0 : b0 + t], src[r, 7, b0 : b0 + t]
+    for k in range(t):
+        e, od = _even_odd(m, x0[k], x1[k], x2[k], x3[k], x4[k], x5[k], x6[k], x7[k], zero)
+        last[k] = e - od
+        first[k] = e + od
+
+
+# Blocks that every pass cuts in 8 and keeps 8 (the usual setting) decode band-major with all their passes in
+# one kernel, on tiles of blocks: each pass's output for a tile stays in cache for the next, where pass after
+# pass wrote and read the slab (1 MB) through memory (the pass over H alone: 0.33 ns per value on a 1 MB slab,
+# 0.19 on 192 KB). Output rows over the first axis come in pairs (j, 7 - j) from one set of sums; each goes
+# through the remaining passes before the next pair. The sums are those of the passes run one by one, so the
+# results agree bit for bit.
 @numba.njit(nogil=True, cache=True)
 def _inverse_rows8_colour8_bands(src, dst, mat_h, colour, mat, lo, hi, is_int):  # pragma: no cover - compiled
-    """The two passes of band-major ``(8, 8, 3, blocks)`` RGB blocks of 8x8 in one: the pass over H with 8 kept
-    rows (as :func:`_inverse_3d`), then :func:`_colour8_tile`, on tiles of 4 * TILE blocks: the first pass's
-    output (two rows over H of a tile: 48 KB) stays in cache, where the two passes wrote and read it across the
-    slab (1 MB). 32x32 RGB decodes 1.14-1.18x faster (tiles of 2 * TILE blocks: 1.07x; 8 * TILE: 1.11x). The
-    sums are those of the two passes: the results agree bit for bit."""
+    """Band-major ``(8, 8, 3, blocks)`` RGB blocks of 8x8: the pass over H, then the colour + W pass of
+    :func:`_colour8_tile`, on tiles of 4 * TILE blocks (two rows over H of a tile: 48 KB). 32x32 RGB decodes
+    1.14-1.18x faster than with the two passes (tiles of 2 * TILE blocks: 1.07x; 8 * TILE: 1.11x)."""
     n_blocks = src.shape[3]
+    rows_h = src.reshape(8, 24, n_blocks)
     zero = np.zeros(1, dtype=mat.dtype)[0]
-    rows = np.empty((2, 8, 3, 4 * TILE), dtype=mat.dtype)  # output rows j and 7 - j over H: all W bands, colours
+    pair = np.empty((2, 24, 4 * TILE), dtype=mat.dtype)
     planes = np.empty((3, 8, 4 * TILE), dtype=mat.dtype)
     for b0 in range(0, n_blocks, 4 * TILE):
         t = min(4 * TILE, n_blocks - b0)
         for j in range(4):
             m = _rows8(mat_h, 0, j)
-            for v in range(8):
-                for c in range(3):
-                    x0, x1, x2, x3 = src[0, v, c, b0 : b0 + t], src[1, v, c, b0 : b0 + t], src[2, v, c, b0 : b0 + t], \
-                        src[3, v, c, b0 : b0 + t]
-                    x4, x5, x6, x7 = src[4, v, c, b0 : b0 + t], src[5, v, c, b0 : b0 + t], src[6, v, c, b0 : b0 + t], \
-                        src[7, v, c, b0 : b0 + t]
-                    first, last = rows[0, v, c], rows[1, v, c]
-                    for k in range(t):
-                        e, od = _even_odd(m, x0[k], x1[k], x2[k], x3[k], x4[k], x5[k], x6[k], x7[k], zero)
-                        last[k] = e - od
-                        first[k] = e + od
-            _colour8_tile(rows[0], 0, dst[j], b0, t, planes, colour, mat, lo, hi, is_int, zero)
-            _colour8_tile(rows[1], 0, dst[7 - j], b0, t, planes, colour, mat, lo, hi, is_int, zero)
+            for r in range(24):  # over H, for each W band and colour
+                _pair(rows_h, r, True, b0, t, m, pair[0, r], pair[1, r], zero)
+            _colour8_tile(pair[0].reshape(8, 3, 4 * TILE), 0, dst[j], b0, t, planes, colour, mat, lo, hi, is_int, zero)
+            _colour8_tile(pair[1].reshape(8, 3, 4 * TILE), 0, dst[7 - j], b0, t, planes, colour, mat, lo, hi, is_int,
+                          zero)
+
+
+@numba.njit(nogil=True, cache=True)
+def _inverse_rows8_rows8_bands(src, dst, mat_w, mat_h, lo, hi, is_int):  # pragma: no cover - compiled
+    """Band-major ``(8, 8, blocks)`` blocks of 8x8 (H bands, W bands): the pass over W, then the pass over H, on
+    tiles of 4 * TILE blocks."""
+    n_blocks = src.shape[2]
+    zero = np.zeros(1, dtype=mat_h.dtype)[0]
+    pair = np.empty((2, 8, 4 * TILE), dtype=mat_h.dtype)
+    for b0 in range(0, n_blocks, 4 * TILE):
+        t = min(4 * TILE, n_blocks - b0)
+        for j in range(4):
+            m = _rows8(mat_w, 0, j)
+            for u in range(8):  # over W, for each H band
+                _pair(src, u, False, b0, t, m, pair[0, u], pair[1, u], zero)
+            _rows8_tile(pair[0], dst, j, b0, t, mat_h, lo, hi, is_int, zero)
+            _rows8_tile(pair[1], dst, 7 - j, b0, t, mat_h, lo, hi, is_int, zero)
 
 
 @intrinsic
@@ -1403,10 +1442,12 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
                 passes.append((_inverse_3d, (outer * widths[d], 3, n_blocks),
                                (colour_mat.astype(wdt), colour_rows, wdt.type(0), wdt.type(0), False), False))
             passes.append((_inverse_3d, (outer, widths[d], inner), (mat.astype(wdt), rows, lo, hi, last), last))
-        if (len(passes) == 2 and passes[0][0] is _inverse_3d and passes[0][1][:2] == (1, 8)
-                and passes[1][0] is _inverse_colour8_bands):  # H then colour + W: both in one kernel
-            (_, _, (mat_h, _, _, _, _), _), (_, view, colour_args, _) = passes
-            passes = [(_inverse_rows8_colour8_bands, view, (mat_h, *colour_args), True)]
+        if widths == (8, 8, 3) and [p[0] for p in passes] == [_inverse_3d, _inverse_colour8_bands]:
+            (_, _, (mat_h, *_), _), (_, view, last_args, _) = passes  # H, then colour + W: in one kernel
+            passes = [(_inverse_rows8_colour8_bands, view, (mat_h, *last_args), True)]
+        elif widths == (8, 8) and colour_axis is None:  # W, then H
+            (_, view, (mat_w, *_), _), (_, _, (mat_h, _, *last_args), _) = passes
+            passes = [(_inverse_rows8_rows8_bands, view, (mat_w, mat_h, *last_args), True)]
         groups.append((first, n_values, tuple(passes)))
     to_output = np.arange(math.prod(shape))
     if channels_first:
