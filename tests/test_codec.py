@@ -225,6 +225,21 @@ def test_band_major_slabs_decode_bit_for_bit_like_the_coefficient_image(case, th
     np.testing.assert_array_equal(shifted, expected)
 
 
+@pytest.mark.parametrize("shape, axes, block, one_kernel", [
+    ((48, 16, 24, 3), (1, 2, 3), (8, 8, 3), True),  # RGB 8x8: the pass over H, then colour + W
+    ((40, 16, 32), (1, 2), (8, 8), True),  # grey 8x8: W, then H
+    ((40, 16, 16, 3), (1, 2), (8, 8), False),  # colours untransformed (an identity colour pass): one by one
+    ((40, 3, 16, 16), (1, 2, 3), (3, 8, 8), False),  # NCHW, the colour DCT as a pass of its own
+    ((24, 8, 16, 16), (1, 2, 3), (8, 8, 8), False),  # volumes
+])
+def test_blocks_of_8x8_run_both_passes_in_one_kernel(shape, axes, block, one_kernel):
+    """The bit-for-bit test above holds either way; this one keeps the faster path from being lost."""
+    from dctchop.transform import band_major
+
+    _, _, passes = band_major(make_plan(shape, axes, block, block, "square"), np.uint8).groups[0]
+    assert (len(passes) == 1) == one_kernel
+
+
 @pytest.mark.parametrize("shape, axes, block, keep, mask, dtype", [
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "float32"),  # float output
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "uint16"),
