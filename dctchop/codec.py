@@ -426,7 +426,7 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
             if p.shape not in buffers:  # positions the mask drops stay zero; the others are all written
                 full = p.n_values == math.prod(p.coefficient_shape)
                 image = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
-                result = np.empty(p.n_values, np.uint8) if bands is not None else None
+                result = np.empty(p.n_values, dtype) if bands is not None else None
                 buffers[p.shape] = np.empty(p.n_values, work_dtype(dtype)), image, result
             values, image, result = buffers[p.shape]
             fill(part.first, part.seg_starts, seg_bands, values)

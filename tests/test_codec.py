@@ -176,7 +176,7 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
     np.testing.assert_array_equal(decode_chunk(data, shape, dtype, threads), expected)
 
 
-BAND_MAJOR_CASES = [  # uint8 chunks keeping every band decode band-major; True: by 8x8 byte transposes
+BAND_MAJOR_CASES = [  # chunks keeping every band decode band-major; True: whole rows of 8 out (transposes)
     ((48, 16, 24, 3), (1, 2, 3), (8, 8, 3), False, True),  # RGB, colour product fused with the pass over W
     ((48, 16, 24, 3), (1, 2, 3), (8, 8, 3), True, True),  # the same, written channels-first
     ((40, 16, 32), (1, 2), (8, 8), False, True),  # grey
@@ -194,35 +194,37 @@ BAND_MAJOR_CASES = [  # uint8 chunks keeping every band decode band-major; True:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
 @pytest.mark.parametrize("case", BAND_MAJOR_CASES, ids=lambda c: f"{c[0]}-{c[2]}-cf{int(c[3])}-{c[4]}")
-def test_band_major_slabs_decode_bit_for_bit_like_the_coefficient_image(case, threads, monkeypatch):
+def test_band_major_slabs_decode_bit_for_bit_like_the_coefficient_image(case, dtype, threads, monkeypatch):
     import dctchop.codec as codec_module
     from dctchop.codec import read_stored
     from dctchop.transform import band_major, channels_first_axes, inverse, inverse_band_major, scatter, slabs
 
     shape, axes, block, channels_first, words = case
-    x = (smooth_float_field(shape=(math.prod(shape[:-2]), *shape[-2:])).reshape(shape) * 30 + 120).astype(np.uint8)
+    x = (smooth_float_field(shape=(math.prod(shape[:-2]), *shape[-2:])).reshape(shape) * 30 + 120).astype(dtype)
     data = encode_chunk(x, ChunkSettings(axes, block, block, precision="int16", target_psnr=38.0))
-    chunk = read_stored(data, shape, np.uint8)
+    chunk = read_stored(data, shape, dtype)
     _, seg_starts, seg_bands = chunk.plan.order
     per_value = np.repeat(chunk.steps[seg_bands], np.diff(seg_starts))
     values = (chunk.stored.astype(np.float64) * per_value).astype(np.float32)
-    expected = inverse(scatter(values, chunk.plan, np.float32), chunk.plan, np.uint8)
+    expected = inverse(scatter(values, chunk.plan, np.float32), chunk.plan, dtype)
     if channels_first:
         expected = np.ascontiguousarray(expected.transpose(channels_first_axes(expected.ndim)))
     monkeypatch.setattr(codec_module, "SLAB_VALUES", math.prod(shape[1:]) * 8)
     parts = slabs(chunk.plan, codec_module.SLAB_VALUES)
-    assert len(parts) > 2 and all(band_major(p.plan, np.uint8, channels_first) for p in parts)
-    assert (band_major(parts[0].plan, np.uint8, channels_first).words is not None) == words  # the first slab
+    assert len(parts) > 2 and all(band_major(p.plan, dtype, channels_first) for p in parts)
+    assert (band_major(parts[0].plan, dtype, channels_first).words is not None) == words  # the first slab
     calls = []
     monkeypatch.setattr(codec_module, "inverse_band_major",
                         lambda *args: calls.append(1) or inverse_band_major(*args))
-    np.testing.assert_array_equal(decode_chunk(data, shape, np.uint8, threads, channels_first=channels_first),
+    np.testing.assert_array_equal(decode_chunk(data, shape, dtype, threads, channels_first=channels_first),
                                   expected)
     assert len(calls) == len(parts)
-    shifted = np.empty(expected.size + 1, np.uint8)[1:].reshape(expected.shape)  # not 8-byte aligned: by bytes
-    decode_chunk(data, shape, np.uint8, threads, out=shifted, channels_first=channels_first)
-    np.testing.assert_array_equal(shifted, expected)
+    if dtype == np.uint8:
+        shifted = np.empty(expected.size + 1, np.uint8)[1:].reshape(expected.shape)  # not 8-byte aligned: by bytes
+        decode_chunk(data, shape, dtype, threads, out=shifted, channels_first=channels_first)
+        np.testing.assert_array_equal(shifted, expected)
 
 
 @pytest.mark.parametrize("shape, axes, block, one_kernel", [
@@ -230,9 +232,9 @@ def test_band_major_slabs_decode_bit_for_bit_like_the_coefficient_image(case, th
     ((40, 16, 32), (1, 2), (8, 8), True),  # grey 8x8: W, then H
     ((40, 16, 16, 3), (1, 2), (8, 8), False),  # colours untransformed (an identity colour pass): one by one
     ((40, 3, 16, 16), (1, 2, 3), (3, 8, 8), False),  # NCHW, the colour DCT as a pass of its own
-    ((24, 8, 16, 16), (1, 2, 3), (8, 8, 8), False),  # volumes
+    ((24, 8, 16, 16), (1, 2, 3), (8, 8, 8), True),  # volumes: X, Y, then Z
 ])
-def test_blocks_of_8x8_run_both_passes_in_one_kernel(shape, axes, block, one_kernel):
+def test_blocks_of_8_run_all_their_passes_in_one_kernel(shape, axes, block, one_kernel):
     """The bit-for-bit test above holds either way; this one keeps the faster path from being lost."""
     from dctchop.transform import band_major
 
@@ -241,7 +243,8 @@ def test_blocks_of_8x8_run_both_passes_in_one_kernel(shape, axes, block, one_ker
 
 
 @pytest.mark.parametrize("shape, axes, block, keep, mask, dtype", [
-    ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "float32"),  # float output
+    ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "float16"),  # float output other than float32
+    ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "float64"),
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "uint16"),
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (6, 6, 3), "square", "uint8"),  # bands dropped: chop
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "triangle", "uint8"),
