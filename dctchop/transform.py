@@ -1286,22 +1286,29 @@ def _inverse_colour8_bands(src, dst, colour, mat, lo, hi, is_int):  # pragma: no
 
 
 @numba.njit(inline="always")
-def _pair(src, r, over_first, b0, t, m, first, last, zero):  # pragma: no cover - compiled
-    """An 8-point pass with 8 kept rows over the first (``over_first``) or the second axis of band-major ``src``
-    (``(8, 8 or more, blocks)``), at row ``r`` of the other axis and blocks ``b0 .. b0 + t``: its output rows
-    ``j`` and ``7 - j`` (``m``: :func:`_rows8` of ``j``) into ``first`` and ``last``, with the sums of
-    :func:`_inverse_3d`. The rows are taken one by one: as the rows of a strided view they would not be known
-    to be contiguous, and 32x32 RGB would decode 1.7x slower."""
-    if over_first:
-        x0, x1, x2, x3 = src[0, r, b0 : b0 + t], src[1, r, b0 : b0 + t], src[2, r, b0 : b0 + t], src[3, r, b0 : b0 + t]
-        x4, x5, x6, x7 = src[4, r, b0 : b0 + t], src[5, r, b0 : b0 + t], src[6, r, b0 : b0 + t], src[7, r, b0 : b0 + t]
-    else:
-        x0, x1, x2, x3 = src[r, 0, b0 : b0 + t], src[r, 1, b0 : b0 + t], src[r, 2, b0 : b0 + t], src[r, 3, b0 : b0 + t]
-        x4, x5, x6, x7 = src[r, 4, b0 : b0 + t], src[r, 5, b0 : b0 + t], src[r, 6, b0 : b0 + t], src[r, 7, b0 : b0 + t]
-    for k in range(t):
-        e, od = _even_odd(m, x0[k], x1[k], x2[k], x3[k], x4[k], x5[k], x6[k], x7[k], zero)
-        last[k] = e - od
-        first[k] = e + od
+def _pairs(src, over_first, b0, t, mat, j, pair, zero):  # pragma: no cover - compiled
+    """Output rows ``j`` and ``7 - j`` of an 8-point pass with 8 kept rows (``mat``) over the first
+    (``over_first``) or the second axis of band-major ``src`` (``(8, rows, blocks)`` or ``(rows, 8, blocks)``),
+    for every row of the other axis and blocks ``b0 .. b0 + t``: into ``pair[0]`` and ``pair[1]`` (``(2, rows,
+    >= t)``), with the sums of :func:`_inverse_3d`. The eight input rows are taken one by one: as the rows of a
+    strided view they would not be known to be contiguous, and 32x32 RGB would decode 1.7x slower."""
+    m = _rows8(mat, 0, j)
+    for r in range(src.shape[1] if over_first else src.shape[0]):
+        if over_first:
+            x0, x1, x2, x3 = src[0, r, b0 : b0 + t], src[1, r, b0 : b0 + t], src[2, r, b0 : b0 + t], \
+                src[3, r, b0 : b0 + t]
+            x4, x5, x6, x7 = src[4, r, b0 : b0 + t], src[5, r, b0 : b0 + t], src[6, r, b0 : b0 + t], \
+                src[7, r, b0 : b0 + t]
+        else:
+            x0, x1, x2, x3 = src[r, 0, b0 : b0 + t], src[r, 1, b0 : b0 + t], src[r, 2, b0 : b0 + t], \
+                src[r, 3, b0 : b0 + t]
+            x4, x5, x6, x7 = src[r, 4, b0 : b0 + t], src[r, 5, b0 : b0 + t], src[r, 6, b0 : b0 + t], \
+                src[r, 7, b0 : b0 + t]
+        first, last = pair[0, r], pair[1, r]
+        for k in range(t):
+            e, od = _even_odd(m, x0[k], x1[k], x2[k], x3[k], x4[k], x5[k], x6[k], x7[k], zero)
+            last[k] = e - od
+            first[k] = e + od
 
 
 # Blocks of 8 over every axis (8x8 RGB with its colour pass, 8x8 grey, 8x8x8 volumes), keeping every band,
@@ -1323,9 +1330,7 @@ def _inverse_rows8_colour8_bands(src, dst, mat_h, colour, mat, lo, hi, is_int): 
     for b0 in range(0, n_blocks, 4 * TILE):
         t = min(4 * TILE, n_blocks - b0)
         for j in range(4):
-            m = _rows8(mat_h, 0, j)
-            for r in range(24):  # over H, for each W band and colour
-                _pair(rows_h, r, True, b0, t, m, pair[0, r], pair[1, r], zero)
+            _pairs(rows_h, True, b0, t, mat_h, j, pair, zero)  # over H, for each W band and colour
             _colour8_tile(pair[0].reshape(8, 3, 4 * TILE), 0, dst[j], b0, t, planes, colour, mat, lo, hi, is_int, zero)
             _colour8_tile(pair[1].reshape(8, 3, 4 * TILE), 0, dst[7 - j], b0, t, planes, colour, mat, lo, hi, is_int,
                           zero)
@@ -1339,9 +1344,7 @@ def _two_passes_tile(src, b0, t, mat_w, mat_h, pair, dst, col, col_step, d0, lo,
     row ``j`` of the first pass goes to column ``col + col_step * j`` of ``dst`` (:func:`_rows8_tile`), from
     ``d0`` on."""
     for j in range(4):
-        m = _rows8(mat_w, 0, j)
-        for u in range(8):
-            _pair(src, u, False, b0, t, m, pair[0, u], pair[1, u], zero)
+        _pairs(src, False, b0, t, mat_w, j, pair, zero)
         _rows8_tile(pair[0], dst, col + col_step * j, d0, t, mat_h, lo, hi, is_int, zero)
         _rows8_tile(pair[1], dst, col + col_step * (7 - j), d0, t, mat_h, lo, hi, is_int, zero)
 
@@ -1372,9 +1375,7 @@ def _inverse_rows8_cubed_bands(src, dst, mat_x, mat_y, mat_z, lo, hi, is_int):  
     for b0 in range(0, n_blocks, 4 * TILE):
         t = min(4 * TILE, n_blocks - b0)
         for j in range(4):
-            m = _rows8(mat_x, 0, j)
-            for r in range(64):  # over X, for each Z and Y band
-                _pair(by_x, r, False, b0, t, m, pair_x[0, r], pair_x[1, r], zero)
+            _pairs(by_x, False, b0, t, mat_x, j, pair_x, zero)  # over X, for each Z and Y band
             for s, x in ((0, j), (1, 7 - j)):
                 _two_passes_tile(pair_x[s].reshape(8, 8, 4 * TILE), 0, t, mat_y, mat_z, pair_y, out, x, 8, b0, lo, hi,
                                  is_int, zero)
@@ -1427,23 +1428,22 @@ def _transpose_rows8(typingctx, src, src_at, src_i, src_add, dst, dst_at, dst_i,
     sig = types.void(src, src_at, src_i, src_add, dst, dst_at, dst_i, dst_add)
 
     def codegen(context, builder, signature, args):
-        src_t, at_t, _, _, dst_t = signature.args[:5]
         i64, i32 = ir.IntType(64), ir.IntType(32)
         row_type = ir.VectorType(ir.FloatType(), 8)
 
-        def rows_at(array_type, array, at, i, i_type, add, add_type):  # pointers to the eight rows
-            data = context.make_array(array_type)(context, builder, array).data
+        def rows_at(side):  # pointers to the eight rows of one side: (array, offsets, index, add) from ``side``
+            array_t, at_t, i_t, add_t = signature.args[side : side + 4]
+            array, at, i, add = args[side : side + 4]
+            data = context.make_array(array_t)(context, builder, array).data
             at_data = context.make_array(at_t)(context, builder, at).data
-            i, add = context.cast(builder, i, i_type, types.int64), context.cast(builder, add, add_type, types.int64)
-            out = []
+            i, add = context.cast(builder, i, i_t, types.int64), context.cast(builder, add, add_t, types.int64)
+            pointers = []
             for k in range(8):
                 start = builder.add(builder.load(builder.gep(at_data, [builder.add(i, i64(k))])), add)
-                out.append(builder.bitcast(builder.gep(data, [start]), row_type.as_pointer()))
-            return out
+                pointers.append(builder.bitcast(builder.gep(data, [start]), row_type.as_pointer()))
+            return pointers
 
-        types_ = signature.args
-        sources = rows_at(src_t, args[0], args[1], args[2], types_[2], args[3], types_[3])
-        targets = rows_at(dst_t, args[4], args[5], args[6], types_[6], args[7], types_[7])
+        sources, targets = rows_at(0), rows_at(4)
         rows = [builder.load(ptr, align=4) for ptr in sources]
         while len(rows) > 1:  # concatenated: 8 x 8 -> 4 x 16 -> 2 x 32 -> 64 values, row after row
             width = rows[0].type.count
@@ -1506,8 +1506,8 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
     if dtype not in (np.uint8, np.float32) or keep != block or plan.n_values != math.prod(shape):
         return None
     wdt = np.dtype(np.float32)
-    end_lo, end_hi, is_int = (wdt.type(0), wdt.type(255), True) if dtype == np.uint8 else (wdt.type(0), wdt.type(0),
-                                                                                          False)
+    is_int = dtype == np.uint8  # the last pass rounds and clips to 0 .. 255
+    end_lo, end_hi = wdt.type(0), wdt.type(255 if is_int else 0)
     order, colour_plan, colour_axis = _pass_order(plan, 1)
     index, seg_starts, _ = plan.order
     run_coords = np.unravel_index(index[seg_starts[:-1]], plan.coefficient_shape)  # each run's first value
