@@ -10,7 +10,9 @@ epoch) and the same output (contiguous float32 batches, channels-first and norma
 * ``npy mmap``: the uncompressed array as a memory-mapped ``.npy`` (already in the page cache), each
   batch read by fancy indexing and converted, built on 1 and 2 threads;
 * ``jpeg``: images only, every sample a separate JPEG (simplejpeg, 4:4:4) at the lowest quality whose PSNR
-  over the set reaches the dctchop store's, decoded per sample and converted, on 1 and 2 threads;
+  over the set reaches the dctchop store's, decoded per sample and converted, on 1 and 2 threads (simplejpeg
+  releases the GIL while it decodes, but every 32x32 image is a call that takes it: 1.1-1.4x on 2 threads,
+  against 2.0x for 1024² images; samples/CPU-s is the per-core comparison);
 * ``host stage of device decode``: only what device decode leaves to the CPU (read, crc32c, zstd, header
   and payload checks, and with torch the copy into pinned memory) for every chunk, on 1 and 2 threads: the
   ceiling of the loader with a GPU;
@@ -24,9 +26,11 @@ Data: the bundled 32x32 RGB sample tiled to ``--images`` images (uint8 NHWC), an
 default. The image epoch is 12 chunks (3 shuffle windows), short next to a training epoch: at its start the
 first window decodes before any batch. ``--images 65536`` (48 chunks, about CIFAR-10's size) measured 250,300
 and 228,242 images/s on 2 threads, the default 234,374 and 227,455, alternating (the JPEG rows do not depend on
-it). ``GB/s out`` counts the bytes of the batches handed out (float32); ``GB/s data`` counts the decoded samples in their stored dtype (uint8 for
-images). Each figure is the best of ``--repeats`` epochs after one warm-up epoch (the machine may be shared:
-the best run is the least disturbed one).
+it). ``GB/s out`` counts the bytes of the batches handed out (float32); ``GB/s data`` counts the decoded
+samples in their stored dtype (uint8 for images). Each figure is the best of ``--repeats`` epochs after one
+warm-up epoch, the CPU paths taking turns epoch by epoch: the machine may be shared, and the same code ran
+at 40k and at 85k JPEG images/s on one core minutes apart (the best run is the least disturbed one; in turns,
+each path sees the same disturbances). The dctchop / JPEG line also gives the ratio round by round.
 
 Run from the repository root (needs the ``bench`` extra for simplejpeg; torch for the device rows)::
 
@@ -40,6 +44,7 @@ import json
 import math
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -150,16 +155,23 @@ def jpeg_batches(jpegs: list[bytes], shape: tuple[int, ...]):
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def best_of(run, repeats: int) -> tuple[float, int, float]:
-    """(best wall seconds, bytes, best CPU seconds of this process, all threads) over ``repeats`` runs after
-    a warm-up run."""
-    run(0)
-    best, best_cpu, nbytes = math.inf, math.inf, 0
+def round_robin(runs: list, repeats: int) -> list[tuple[float, int, float, list[float]]]:
+    """Time every run in ``runs`` (each called with an epoch, returning the bytes it handed out) once per round,
+    ``repeats`` rounds after one warm-up round: a shared machine slows down and speeds up by up to 2x for
+    seconds at a time, and in turns each run sees the same mix of its states. Per run: (best wall seconds,
+    bytes, best CPU seconds of this process (all threads), every round's wall seconds)."""
+    for run in runs:
+        run(0)
+    walls = [[] for _ in runs]
+    cpus = [math.inf] * len(runs)
+    nbytes = [0] * len(runs)
     for r in range(repeats):
-        t, c = time.perf_counter(), time.process_time()
-        nbytes = run(r + 1)
-        best, best_cpu = min(best, time.perf_counter() - t), min(best_cpu, time.process_time() - c)
-    return best, nbytes, best_cpu
+        for k, run in enumerate(runs):
+            t, c = time.perf_counter(), time.process_time()
+            nbytes[k] = run(r + 1)
+            walls[k].append(time.perf_counter() - t)
+            cpus[k] = min(cpus[k], time.process_time() - c)
+    return [(min(w), b, c, w) for w, b, c in zip(walls, nbytes, cpus)]
 
 
 def loader_run(store: Path, batch_size: int, threads: int, kw: dict):
@@ -252,33 +264,37 @@ def bench_kind(kind: str, d: dict, args, torch, cuda: bool) -> list[dict]:
             return out_bytes
         return run
 
+    paths = []  # (label, threads, epoch run, ratio, psnr), timed in turns
     for threads in args.threads:
-        add(f"dctchop, axes {','.join(map(str, d['axes']))} (default)", threads,
-            *best_of(loader_run(d["store"], args.batch_size, threads, kw), args.repeats), d["ratio"], d["psnr"])
+        paths.append((f"dctchop, axes {','.join(map(str, d['axes']))} (default)", threads,
+                      loader_run(d["store"], args.batch_size, threads, kw), d["ratio"], d["psnr"]))
     for label, v in d.get("variants", {}).items():
         for threads in args.threads:
-            add(label, threads, *best_of(loader_run(v["store"], args.batch_size, threads, kw), args.repeats),
-                v["ratio"], v["psnr"])
+            paths.append((label, threads, loader_run(v["store"], args.batch_size, threads, kw), v["ratio"], v["psnr"]))
     for threads in args.threads:
-        add("host stage of device decode", threads, *best_of(host_stage(threads), args.repeats), d["ratio"],
-            d["psnr"])
+        paths.append(("host stage of device decode", threads, host_stage(threads), d["ratio"], d["psnr"]))
     make = npy_batches(d["npy"], image)
     for threads in args.threads:
-        add("npy mmap", threads, *best_of(batches_of(make, threads), args.repeats), 1.0, math.inf)
+        paths.append(("npy mmap", threads, batches_of(make, threads), 1.0, math.inf))
     if image:
         try:
             raw = np.load(d["npy"])
             jpegs, quality, jpeg_psnr = jpeg_encode(raw, d["psnr"])
             make = jpeg_batches(jpegs, raw.shape[1:])
             for threads in args.threads:
-                add(f"jpeg q{quality}", threads, *best_of(batches_of(make, threads), args.repeats),
-                    raw.nbytes / sum(map(len, jpegs)), jpeg_psnr)
+                paths.append((f"jpeg q{quality}", threads, batches_of(make, threads),
+                               raw.nbytes / sum(map(len, jpegs)), jpeg_psnr))
         except ImportError:
             print("simplejpeg is not installed (pip install 'dctchop[bench]'): no JPEG rows")
+    for (label, threads, _, ratio, psnr), (seconds, nbytes, cpu, rounds) in zip(
+            paths, round_robin([p[2] for p in paths], args.repeats)):
+        add(label, threads, seconds, nbytes, cpu, ratio, psnr)
+        rows[-1]["rounds"] = rounds
     if cuda:
         for threads in args.threads:
             run = loader_run(d["store"], args.batch_size, threads, {**kw, "device": "cuda"})
-            add("dctchop device=cuda", threads, *best_of(run, args.repeats), d["ratio"], d["psnr"])
+            seconds, nbytes, cpu, _ = round_robin([run], args.repeats)[0]
+            add("dctchop device=cuda", threads, seconds, nbytes, cpu, d["ratio"], d["psnr"])
         for label, fused, precision in (("fused kernel", True, "highest"), ("fused kernel, TF32", True, "high"),
                                         ("matmul path", False, "highest")):
             rows.append({"data": kind, "path": f"decoder on cuda, {label} (coefficients resident)", "threads": "-",
@@ -320,7 +336,7 @@ def main() -> None:
     print(f"\n{platform.processor() or platform.machine()}, {cpus} cores, Python {platform.python_version()}, "
           f"torch {getattr(torch, '__version__', 'absent')}, CUDA {'yes' if cuda else 'no (device rows unmeasured)'}")
     print(f"images: {args.images} x 32x32x3 uint8 -> float32 NCHW normalised; fields: {args.fields} x 32³ float32; "
-          f"batch {args.batch_size}; best of {args.repeats} epochs\n")
+          f"batch {args.batch_size}; best of {args.repeats} epochs, the paths timed in turns\n")
     print("| data | path | threads | samples/s | GB/s out | GB/s data | samples/CPU-s | ratio | PSNR dB |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     fmt = lambda v, f: "-" if v is None else (f.format(v) if not (isinstance(v, float) and math.isinf(v)) else "lossless")
@@ -335,8 +351,10 @@ def main() -> None:
         if ours and jpeg:
             best = max(ours, key=lambda r: r["threads"])
             other = next(r for r in jpeg if r["threads"] == best["threads"])
+            paired = sorted(b / a for a, b in zip(best["rounds"], other["rounds"]))
             print(f"\n{kind}: dctchop / jpeg at {best['threads']} threads: samples/s "
-                  f"{best['samples_s'] / other['samples_s']:.2f}x, samples/CPU-s "
+                  f"{best['samples_s'] / other['samples_s']:.2f}x (best against best; round by round "
+                  f"{paired[0]:.2f}-{paired[-1]:.2f}x, median {statistics.median(paired):.2f}x), samples/CPU-s "
                   f"{best['samples_cpu_s'] / other['samples_cpu_s']:.2f}x")
     if args.json:
         print(json.dumps(rows, default=str, indent=1))
