@@ -91,6 +91,10 @@ cli.add_command(sweep)
 @click.option("--precision", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int16"]),
               help="Coefficient storage. Default: float16 with --keep, int16 with --ratio/--psnr.")
 @click.option("--chunk-samples", type=int, help="Samples per chunk (default: about 4 MB of input).")
+@click.option("--zstd-level", type=int, metavar="LEVEL",
+              help="Level of the lossless zstd stage after the codec (default 1). Negative levels (zstd's fast ones) decode "
+                   "about 3.5x faster for 6-8% more bytes on float fields (20-30% on images); higher ones shrink "
+                   "images by a few percent and encode slower.")
 @click.option("--workers", type=int, default=0, show_default=True, help="Encoding threads (0: one per core).")
 @click.option("--scheduler", metavar="threads|processes|ADDRESS",
               help="Encode chunks as Dask tasks: local threads or processes, or a dask.distributed scheduler "
@@ -100,7 +104,7 @@ cli.add_command(sweep)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors (and --json output).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def compress(input_path, output, datasets, lossless, follow_external, axes, keep, ratio, psnr, block, mask,
-             precision, chunk_samples, workers, scheduler, overwrite, progress, quiet, as_json):
+             precision, chunk_samples, zstd_level, workers, scheduler, overwrite, progress, quiet, as_json):
     """Compress INPUT (.npy or .h5/.hdf5) into the Zarr store OUTPUT (a directory, or an fsspec URL such as
     s3://bucket/out.zarr with that protocol's fsspec package installed).
 
@@ -109,7 +113,7 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
     """
     from dctchop.formats import open_source
     from dctchop.layout import parse_axes
-    from dctchop.store import CompressOptions, Target, plan_array
+    from dctchop.store import ZSTD_LEVEL, CompressOptions, Target, plan_array
     from dctchop.store import compress as compress_store
 
     targets = [t for t in (("keep", keep), ("ratio", ratio), ("psnr", psnr)) if t[1] is not None]
@@ -119,17 +123,20 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
     if targets:
         kind, value = targets[0]
         target = Target(kind, _int_list(value, "--keep") if kind == "keep" else value)
+    zstd_level = ZSTD_LEVEL if zstd_level is None else zstd_level
     source = open_source(input_path, datasets=datasets, lossless=lossless, follow_external=follow_external)
     plans = []
     for array in source.lossy:
         array_axes = parse_axes(axes, len(array.shape)) if axes else None
         options = CompressOptions(target=target, axes=array_axes, block=_int_list(block, "--block"), mask=mask,
-                                  precision=precision, chunk_samples=chunk_samples, workers=workers)
+                                  precision=precision, chunk_samples=chunk_samples, workers=workers,
+                                  zstd_level=zstd_level)
         plans.append(plan_array(source, array, options))
     total = sum(a.dtype.itemsize * math.prod(a.shape) for a in (*source.lossy, *source.lossless))
     bar = _Progress(total, enabled=not quiet and (progress if progress is not None else sys.stderr.isatty()))
     try:
-        summary = compress_store(source, output, CompressOptions(workers=workers, scheduler=scheduler),
+        summary = compress_store(source, output, CompressOptions(workers=workers, scheduler=scheduler,
+                                                                 zstd_level=zstd_level),
                                  overwrite=overwrite,
                                  progress=bar, plans=plans)
     finally:
@@ -180,7 +187,8 @@ def _print_report(report: dict, show_chunks: bool) -> None:
         click.echo(f"\n{name}: {a['shape']} {a['dtype']}, layout {a['layout']}, axes {a['axes']}, "
                    f"chunks {a['chunks']}")
         click.echo(f"  target {a['target']['kind']} {a['target']['value']}; block {codec['block']}, keep "
-                   f"{codec['keep']}, mask {codec['mask']}, precision {codec['precision']}")
+                   f"{codec['keep']}, mask {codec['mask']}, precision {codec['precision']}, zstd level "
+                   f"{a['zstd_level']}")
         click.echo(f"  {fmt_mb(a['original_bytes'])} -> {fmt_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}")
         click.echo(f"  PSNR {fmt_db(a['psnr'])} dB (chunks min {fmt_db(a['psnr_min'])}, mean {fmt_db(a['psnr_mean'])}, "
                    f"max {fmt_db(a['psnr_max'])}), max abs error {a['max_abs_error']:.4g}")

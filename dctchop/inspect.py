@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import zarr
+from zarr.codecs import ZstdCodec
 
 from dctchop.errors import DctchopError
 from dctchop.formats import open_source
@@ -51,6 +52,12 @@ def _quality(table: dict[str, np.ndarray]) -> dict[str, float]:
             "psnr_max": float(table["psnr"].max()), "max_abs_error": float(table["max_abs_error"].max())}
 
 
+def _zstd_level(array: zarr.Array) -> int | None:
+    """The level of the array's zstd stage, from its Zarr metadata (stores made before it was an option
+    do not name it in their summary)."""
+    return next((c.level for c in getattr(array.metadata, "codecs", ()) if isinstance(c, ZstdCodec)), None)
+
+
 def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | None = None) -> dict:
     """Per array: shape, dtype, axes, settings, original and stored bytes (everything on disk for the array,
     its metadata included), ratio, PSNR over chunks, max abs error; plus totals. With ``verify`` (a source
@@ -67,7 +74,8 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
         stored = array_bytes(location, name)
         entry = {
             "shape": a["shape"], "dtype": a["dtype"], "layout": a["layout"], "axes": a["axes"],
-            "chunks": a["chunks"], "target": a["target"], "codec": a["codec"], "peak": a["peak"],
+            "chunks": a["chunks"], "target": a["target"], "codec": a["codec"],
+            "zstd_level": _zstd_level(group[name]), "peak": a["peak"],
             "original_bytes": a["original_bytes"], "stored_bytes": stored, "ratio": a["original_bytes"] / stored,
             "psnr": float(a["psnr"]),
             **(_quality(table) if table is not None else {k: float(a[k]) for k in QUALITY_KEYS}),

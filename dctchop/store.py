@@ -61,6 +61,7 @@ CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
 META_GROUP = "dctchop_meta"
 SINGLE_ARRAY_NAME = "data"
 ZSTD_LEVEL = 1  # on bit-plane payloads as small as level 3 (images: 3% smaller), 2-2.5x faster
+ZSTD_LEVELS = range(-(1 << 17), 23)  # zstd's own bounds; below 0 its fast levels
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_PSNR_INTEGER = 40.0
 DEFAULT_PSNR_FLOAT = 60.0
@@ -100,6 +101,12 @@ class CompressOptions:
     chunk_samples: int | None = None
     workers: int = 0
     scheduler: str | None = None
+    zstd_level: int = ZSTD_LEVEL
+
+    def __post_init__(self) -> None:
+        if self.zstd_level not in ZSTD_LEVELS:
+            raise DctchopError(f"--zstd-level must be from {ZSTD_LEVELS.start} to {ZSTD_LEVELS.stop - 1}, "
+                               f"got {self.zstd_level}")
 
 
 @dataclass
@@ -114,6 +121,7 @@ class ArrayPlan:
     settings: ChunkSettings
     target: Target
     peak: float
+    zstd_level: int = ZSTD_LEVEL  # of the lossless stage after the codec (decoders need not know it)
 
     @property
     def codec(self) -> DctChopCodec:
@@ -183,7 +191,8 @@ def plan_array(source: Source, array: SourceArray, options: CompressOptions) -> 
                                  target_psnr=float(target.value) if target.kind == "psnr" else None)
     chunks = _chunks(array.shape, axes, block, array.dtype, options.chunk_samples)
     make_plan(chunks, axes, block, settings.keep, settings.mask)  # validate before any work
-    return ArrayPlan(array, name, axes, layout, chunks, settings, target, peak if peak is not None else 0.0)
+    return ArrayPlan(array, name, axes, layout, chunks, settings, target, peak if peak is not None else 0.0,
+                     options.zstd_level)
 
 
 # ---------------------------------------------------------------------------------------------- scanning
@@ -234,7 +243,7 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
     The chunk bytes are measured on a sample of chunks (all of them for arrays up to 64 MB) and scaled to
     the whole array.
     """
-    zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
+    zstd = numcodecs.Zstd(level=plan.zstd_level)
     settings = replace(plan.settings, target_psnr=None)
     scale, sample = plan.peak, []  # the steps tried are relative to the data's scale, however small
     for r in _sample_ranges(plan):  # each sample chunk is transformed once, quantized at every step tried
@@ -356,10 +365,10 @@ def _chunk_key(name: str, index: int, ndim: int) -> str:
     return f"{name}/c." + ".".join([str(index)] + ["0"] * (ndim - 1))
 
 
-def _stored_bytes(data: bytes) -> bytes:
+def _stored_bytes(data: bytes, zstd_level: int) -> bytes:
     """What the store's zstd -> crc32c codecs make of the dctchop codec's output: the same bytes Zarr writes
     (zstd frame, then the little-endian crc32c of it), so plain ``zarr.open`` reads the chunk back."""
-    compressed = numcodecs.Zstd(level=ZSTD_LEVEL).encode(data)
+    compressed = numcodecs.Zstd(level=zstd_level).encode(data)
     return compressed + struct.pack("<I", google_crc32c.value(compressed))
 
 
@@ -451,7 +460,7 @@ def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = F
     src = plan.source
     group.create_array(plan.name, shape=src.shape, chunks=plan.chunks, dtype=src.dtype, serializer=plan.codec,
                        chunk_key_encoding=CHUNK_KEY_ENCODING,
-                       compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0,
+                       compressors=[ZstdCodec(level=plan.zstd_level), Crc32cCodec()], fill_value=0,
                        attributes=src.attrs, overwrite=overwrite)
     if overwrite:
         return
@@ -483,7 +492,7 @@ def _read_and_encode(plan: ArrayPlan, i: int, start: int, stop: int) -> tuple[by
 def _write_encoded(root: Location, plan: ArrayPlan, data: bytes, result: dict) -> dict:
     """Write an encoded chunk (after zstd and crc32c) and its metadata elements, each file whole; return
     the chunk's metadata with its stored size."""
-    stored = _stored_bytes(data)
+    stored = _stored_bytes(data, plan.zstd_level)
     result = {**result, "stored_bytes": len(stored)}
     i, ndim = result["chunk"], len(plan.source.shape)
     files = {_chunk_key(plan.name, i, ndim): stored}
@@ -572,14 +581,14 @@ def _encode_and_write(root: Location, plan: ArrayPlan, items: list[tuple[int, in
             raise
 
 
-def _write_lossless(group: zarr.Group, source: Source, array: SourceArray,
+def _write_lossless(group: zarr.Group, source: Source, array: SourceArray, zstd_level: int,
                     progress: Callable[[int], None]) -> None:
     name = array_name(source, array)
     sample_bytes = max(math.prod(array.shape[1:]) * array.dtype.itemsize, 1)
     chunk0 = max(1, min(array.shape[0] if array.shape else 1, DEFAULT_CHUNK_BYTES // sample_bytes))
     chunks = (chunk0, *array.shape[1:]) if array.shape else ()
     arr = group.create_array(name, shape=array.shape, chunks=chunks, dtype=array.dtype,
-                             compressors=[ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()], fill_value=0,
+                             compressors=[ZstdCodec(level=zstd_level), Crc32cCodec()], fill_value=0,
                              attributes=array.attrs)
     if not array.shape:
         arr[...] = array.read(0, 1)
@@ -632,7 +641,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
             result = _write_lossy(tmp, plan, workers, options.scheduler, progress)
             arrays[plan.name] = _array_summary(plan, result, tmp)
         for array in source.lossless:
-            _write_lossless(group, source, array, progress)
+            _write_lossless(group, source, array, options.zstd_level, progress)
         seconds = time.perf_counter() - started
         summary = _store_summary(source, arrays, seconds)
         group.attrs.update({**source.groups.get("/", {}), "dctchop": json_safe(summary)})
@@ -668,6 +677,7 @@ def _array_summary(plan: ArrayPlan, result: dict, root: Location) -> dict:
         "chunks": list(plan.chunks),
         "target": {"kind": plan.target.kind, "value": _jsonable(plan.target.value)},
         "codec": plan.codec.to_dict()["configuration"],
+        "zstd_level": plan.zstd_level,
         "peak": plan.peak,
         "original_bytes": original,
         "stored_bytes": stored,

@@ -617,6 +617,21 @@ def test_chunk_samples_must_be_whole_blocks_along_transformed_axis_0(data, tmp_p
     assert not out.exists()
 
 
+def test_zstd_level_sets_the_lossless_stage_of_every_array(data, tmp_path):
+    out = tmp_path / "fast.zarr"
+    ok(run("compress", data.h5, out, "--zstd-level", "-3", "--quiet"))
+    group = open_store(out)
+    assert {group[name].compressors[0].level for name in ("images", "labels")} == {-3}
+    assert "mask square, precision int16, zstd level -3" in ok(run("inspect", out)).stdout
+
+
+@pytest.mark.parametrize("level", ["23", "-131073"])
+def test_zstd_level_out_of_range_is_a_user_error(data, tmp_path, level):
+    out = tmp_path / "x.zarr"
+    user_error(run("compress", data.npy, out, "--zstd-level", level), "--zstd-level must be from -131072 to 22")
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+
+
 # --------------------------------------------------------------------------------------------------------
 # output handling: overwrite, progress, atomicity
 # --------------------------------------------------------------------------------------------------------
@@ -723,7 +738,7 @@ def test_inspect_human_with_chunks_and_verify(data, base):
     assert f"from {data.h5})" in out.splitlines()[0]
     assert "images: [64, 32, 32, 3] uint8, layout NHWC, axes [1, 2, 3], chunks [16, 32, 32, 3]" in out
     assert "extra/aux: [64, 16] float32, layout HW, axes [0, 1], chunks [16, 16]" in out
-    assert "target psnr 40.0; block [8, 8, 3], keep [8, 8, 3], mask square, precision int16" in out
+    assert "target psnr 40.0; block [8, 8, 3], keep [8, 8, 3], mask square, precision int16, zstd level 1" in out
     a = base.summary["arrays"]["images"]
     assert f"ratio {a['ratio']:.2f}" in out
     assert f"PSNR {a['psnr']:.2f} dB (chunks min {a['psnr_min']:.2f}" in out

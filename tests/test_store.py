@@ -50,6 +50,26 @@ def test_chunk_files_are_what_zarr_writes(tmp_path, h5_images, target):
     np.testing.assert_array_equal(ours[:], ref[:])
 
 
+@pytest.mark.parametrize("target", [Target("psnr", 38.0), Target("ratio", 6.0)])
+def test_a_fast_zstd_level_changes_only_the_bytes_on_disk(tmp_path, h5_images, target):
+    """zstd's fast levels decode about 3.5x faster: the codec's output is the same, so the same data comes
+    back (from plain Zarr too) from more bytes; a --ratio search counts that level's bytes."""
+    made = {}
+    for level in (ZSTD_LEVEL, -5):
+        out = tmp_path / f"level{level}.zarr"
+        summary = compress(open_source(str(h5_images)), out,
+                           CompressOptions(target=target, chunk_samples=10, zstd_level=level))
+        made[level] = summary["arrays"]["images"], zarr.open_group(str(out), mode="r")["images"]
+    (default, default_array), (fast, fast_array) = made[ZSTD_LEVEL], made[-5]
+    assert fast_array.compressors[0].level == fast["zstd_level"] == -5
+    if target.kind == "psnr":
+        np.testing.assert_array_equal(fast_array[:], default_array[:])
+        assert fast["stored_bytes"] > default["stored_bytes"]
+    else:
+        assert fast["ratio"] == pytest.approx(6.0, rel=0.05) and default["ratio"] == pytest.approx(6.0, rel=0.05)
+        assert fast["codec"]["step"] > default["codec"]["step"]  # coarser, for the bytes the fast level spends
+
+
 def test_metadata_matches_a_zarr_decode(tmp_path, h5_images):
     out = tmp_path / "out.zarr"
     summary = compress(open_source(str(h5_images)), out, CompressOptions(target=Target("psnr", 35.0),
