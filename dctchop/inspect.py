@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import zarr
-from zarr.codecs import ZstdCodec
 
 from dctchop.errors import DctchopError
 from dctchop.formats import open_source
@@ -15,6 +14,7 @@ from dctchop.location import Location
 from dctchop.store import (
     META_FIELDS,
     META_GROUP,
+    ZSTD_LEVEL,
     _chunk_metrics,
     _chunk_ranges,
     array_bytes,
@@ -52,12 +52,6 @@ def _quality(table: dict[str, np.ndarray]) -> dict[str, float]:
             "psnr_max": float(table["psnr"].max()), "max_abs_error": float(table["max_abs_error"].max())}
 
 
-def _zstd_level(array: zarr.Array) -> int | None:
-    """The level of the array's zstd stage, from its Zarr metadata (stores made before it was an option
-    do not name it in their summary)."""
-    return next((c.level for c in getattr(array.metadata, "codecs", ()) if isinstance(c, ZstdCodec)), None)
-
-
 def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | None = None) -> dict:
     """Per array: shape, dtype, axes, settings, original and stored bytes (everything on disk for the array,
     its metadata included), ratio, PSNR over chunks, max abs error; plus totals. With ``verify`` (a source
@@ -75,7 +69,7 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
         entry = {
             "shape": a["shape"], "dtype": a["dtype"], "layout": a["layout"], "axes": a["axes"],
             "chunks": a["chunks"], "target": a["target"], "codec": a["codec"],
-            "zstd_level": _zstd_level(group[name]), "peak": a["peak"],
+            "zstd_level": a.get("zstd_level", ZSTD_LEVEL), "peak": a["peak"],  # before it was an option: 1
             "original_bytes": a["original_bytes"], "stored_bytes": stored, "ratio": a["original_bytes"] / stored,
             "psnr": float(a["psnr"]),
             **(_quality(table) if table is not None else {k: float(a[k]) for k in QUALITY_KEYS}),

@@ -365,7 +365,7 @@ def _chunk_key(name: str, index: int, ndim: int) -> str:
     return f"{name}/c." + ".".join([str(index)] + ["0"] * (ndim - 1))
 
 
-def _stored_bytes(data: bytes, zstd_level: int) -> bytes:
+def _stored_bytes(data: bytes, zstd_level: int = ZSTD_LEVEL) -> bytes:
     """What the store's zstd -> crc32c codecs make of the dctchop codec's output: the same bytes Zarr writes
     (zstd frame, then the little-endian crc32c of it), so plain ``zarr.open`` reads the chunk back."""
     compressed = numcodecs.Zstd(level=zstd_level).encode(data)

@@ -49,7 +49,6 @@ from dctchop.store import (
     DEFAULT_PSNR_INTEGER,
     PSNR_TOLERANCE_DB,
     RATIO_TOLERANCE,
-    ZSTD_LEVEL,
     CompressOptions,
     Target,
     _chunks,
@@ -170,8 +169,7 @@ def measure(x: np.ndarray, setting: Setting, settings: ChunkSettings, peak: floa
     chunks = _chunks(x.shape, axes, settings.block, x.dtype, None)
     ranges = [(s, min(s + chunks[0], x.shape[0])) for s in range(0, x.shape[0], chunks[0])]
     started = time.perf_counter()
-    stored = [_stored_bytes(encode_chunk(_pad_to_chunk(x[s:e], chunks), settings, threads), ZSTD_LEVEL)
-              for s, e in ranges]
+    stored = [_stored_bytes(encode_chunk(_pad_to_chunk(x[s:e], chunks), settings, threads)) for s, e in ranges]
     encode_s = time.perf_counter() - started
     best, y = math.inf, None
     for run in range(DECODE_REPEATS):
