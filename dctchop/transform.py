@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -1233,10 +1232,9 @@ def channels_first_shape(shape) -> tuple[int, ...]:
 # cases; the passes are the coefficient image's, in the same order with the same sums, so the result is bit for
 # bit the same. What the coefficient image's placement of the values did (a scattered store per value) happens
 # instead once, on the result, where each block's values in the output are whole rows of 8, eight blocks at a
-# time: uint8 as one 8x8 byte transpose of eight 64-bit words (:func:`_transpose_bytes`; 32x32 RGB when the
-# transpose still used shifts and masks: 0.77 against 1.28 ns per value for the placement and the inverse),
-# float32 as eight rows of eight values loaded, transposed and stored as vectors (:func:`_transpose_rows8`);
-# else value by value (:func:`_move`: into a loader's chunk buffers, which the cache has dropped, one 4-byte
+# time: eight rows of eight values loaded, transposed and stored as vectors (:func:`_transpose_rows8`; 32x32 RGB
+# when the byte transpose still used shifts and masks: 0.77 against 1.28 ns per value for the placement and the
+# inverse); else value by value (:func:`_move`: into a loader's chunk buffers, which the cache has dropped, one 4-byte
 # store per float32 cost more than the placement saved).
 
 
@@ -1382,54 +1380,25 @@ def _inverse_rows8_cubed_bands(src, dst, mat_x, mat_y, mat_z, lo, hi, is_int):  
 
 
 @intrinsic
-def _transpose_bytes(typingctx, w0, w1, w2, w3, w4, w5, w6, w7):  # pragma: no cover - compiled
-    """Eight little-endian words as an 8x8 byte matrix (byte k of word j), transposed: byte j of word k.
-
-    One LLVM shuffle of the 64 bytes, which the compiler lowers to the target's byte permutes (a vpermb with
-    AVX-512): 2.5x faster for :func:`_bands_to_image` than swapping bytes, 16-bit and 32-bit units between
-    words with shifts and masks (0.087 against 0.22 ns per byte)."""
-    words = types.UniTuple(types.uint64, 8)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        vector = ir.Constant(ir.VectorType(ir.IntType(64), 8), ir.Undefined)
-        for k, word in enumerate(args):
-            vector = builder.insert_element(vector, word, i32(k))
-        as_bytes = builder.bitcast(vector, ir.VectorType(ir.IntType(8), 64))
-        source_of = ir.Constant(ir.VectorType(i32, 64), [8 * (p % 8) + p // 8 for p in range(64)])
-        transposed = builder.bitcast(builder.shuffle_vector(as_bytes, as_bytes, source_of), vector.type)
-        return context.make_tuple(builder, words, [builder.extract_element(transposed, i32(k)) for k in range(8)])
-
-    return words(*[types.uint64] * 8), codegen
-
-
-@numba.njit(nogil=True, cache=True)
-def _bands_to_image(bands, image, rows, offsets, origins):  # pragma: no cover - compiled
-    """Band-major bytes (``bands``: one row of 64-bit words per band, byte k of word g = block 8g + k) into the
-    image (as 64-bit words): the 8 consecutive bytes ``offsets[r]`` words from a block's origin ``origins[b]`` are
-    its bytes of bands ``rows[r]``. Indices are uint64 (no wraparound checks)."""
-    for g in range(bands.shape[1]):
-        for r in range(rows.shape[0]):
-            q = rows[r]
-            words = _transpose_bytes(bands[q[0], g], bands[q[1], g], bands[q[2], g], bands[q[3], g], bands[q[4], g],
-                                     bands[q[5], g], bands[q[6], g], bands[q[7], g])
-            at = np.uint64(offsets[r])
-            for k in range(8):
-                image[np.uint64(origins[8 * g + k]) + at] = words[k]
-
-
-@intrinsic
 def _transpose_rows8(typingctx, src, src_at, src_i, src_add, dst, dst_at, dst_i, dst_add):  # pragma: no cover
     """``dst[dst_at[dst_i + k] + dst_add + x] = src[src_at[src_i + x] + src_add + k]`` for ``x, k < 8``: eight rows
-    of eight float32 loaded as vectors, transposed with one LLVM shuffle of the 64 values and stored as eight
-    vectors, whole 32-byte rows of output where :func:`_move` stores 4 bytes at a time (32³ fields through the
-    loader on 1 thread: 0.87-0.93 GB/s that way, against 1.0-1.05 through the coefficient image and 1.05-1.21
-    this way)."""
+    of eight values (float32 or uint8; the two arrays' dtype) loaded as vectors at any alignment, transposed with
+    one LLVM shuffle of the 64 values (for bytes a vpermb with AVX-512) and stored as eight vectors: whole rows
+    of output where :func:`_move` stores one value at a time. 32³ float32 fields through the loader on 1 thread:
+    0.87-0.93 GB/s that way, against 1.0-1.05 through the coefficient image and 1.05-1.21 this way; for bytes,
+    the shuffle was 2.5x faster than swapping bytes, 16-bit and 32-bit units between words with shifts and
+    masks (0.087 against 0.22 ns per byte)."""
+    if src.dtype != dst.dtype or src.dtype not in (types.float32, types.uint8):
+        return None
     sig = types.void(src, src_at, src_i, src_add, dst, dst_at, dst_i, dst_add)
 
     def codegen(context, builder, signature, args):
         i64, i32 = ir.IntType(64), ir.IntType(32)
-        row_type = ir.VectorType(ir.FloatType(), 8)
+        element = signature.args[0].dtype
+        value_type = context.get_data_type(element)
+        as_words = element == types.uint8  # 8 bytes move as one 64-bit word: <8 x i8> rows took 2x as long
+        row_type = i64 if as_words else ir.VectorType(value_type, 8)
+        align = element.bitwidth // 8
 
         def rows_at(side):  # pointers to the eight rows of one side: (array, offsets, index, add) from ``side``
             array_t, at_t, i_t, add_t = signature.args[side : side + 4]
@@ -1444,17 +1413,27 @@ def _transpose_rows8(typingctx, src, src_at, src_i, src_add, dst, dst_at, dst_i,
             return pointers
 
         sources, targets = rows_at(0), rows_at(4)
-        rows = [builder.load(ptr, align=4) for ptr in sources]
+        rows = [builder.load(ptr, align=align) for ptr in sources]
+        if as_words:
+            words = ir.Constant(ir.VectorType(i64, 8), ir.Undefined)
+            for k, row in enumerate(rows):
+                words = builder.insert_element(words, row, i32(k))
+            rows = [builder.bitcast(words, ir.VectorType(value_type, 64))]
         while len(rows) > 1:  # concatenated: 8 x 8 -> 4 x 16 -> 2 x 32 -> 64 values, row after row
             width = rows[0].type.count
             rows = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 2 * width), list(range(2 * width))))
                     for a, b in zip(rows[::2], rows[1::2])]
         transposed = builder.shuffle_vector(rows[0], rows[0], ir.Constant(ir.VectorType(i32, 64),
                                                                           [8 * (p % 8) + p // 8 for p in range(64)]))
-        for k, ptr in enumerate(targets):
-            row = builder.shuffle_vector(transposed, transposed,
-                                         ir.Constant(ir.VectorType(i32, 8), list(range(8 * k, 8 * k + 8))))
-            builder.store(row, ptr, align=4)
+        if as_words:
+            words = builder.bitcast(transposed, ir.VectorType(i64, 8))
+            rows = [builder.extract_element(words, i32(k)) for k in range(8)]
+        else:
+            rows = [builder.shuffle_vector(transposed, transposed,
+                                           ir.Constant(ir.VectorType(i32, 8), list(range(8 * k, 8 * k + 8))))
+                    for k in range(8)]
+        for row, ptr in zip(rows, targets):
+            builder.store(row, ptr, align=align)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -1462,8 +1441,8 @@ def _transpose_rows8(typingctx, src, src_at, src_i, src_add, dst, dst_at, dst_i,
 
 @numba.njit(nogil=True, cache=True)
 def _bands_to_rows(bands, image, row_at, offsets, origins):  # pragma: no cover - compiled
-    """Band-major float32 values (``bands`` flat: band ``q`` of block ``b`` at ``q * blocks + b``) into the
-    image, eight blocks by eight bands at a time: the 8 consecutive values ``offsets[r]`` from a block's origin
+    """Band-major float32 or uint8 values (``bands`` flat: band ``q`` of block ``b`` at ``q * blocks + b``) into
+    the image, eight blocks by eight bands at a time: the 8 consecutive values ``offsets[r]`` from a block's origin
     ``origins[b]`` are its values of the bands at ``row_at[8 r .. 8 r + 7]`` (as positions in ``bands``)."""
     for g in range(origins.size // 8):
         for r in range(offsets.size):
@@ -1473,16 +1452,12 @@ def _bands_to_rows(bands, image, row_at, offsets, origins):  # pragma: no cover 
 @dataclass(frozen=True)
 class BandMajor:
     """How a slab decodes band-major (see above). ``groups``: per block group (the blocks that share a shape;
-    their runs follow one another), its first storage position, size and passes as ``(kernel, view, arguments,
-    last)``. The result then goes out by 8x8 transposes (``words``: the tables of :func:`_bands_to_image` for
-    uint8, of :func:`_bands_to_rows` for float32; see :func:`_output_rows`) where the slab is one group whose
-    blocks' values in the output are whole rows of 8, else value by value (``scatter``: a :class:`Placement` in
-    output positions, for :func:`_move`)."""
+    their runs follow one another) ``(first, n, passes, rows, rest)``: its first storage position, size, passes
+    as ``(kernel, view, arguments, last)``, and how its result goes out (:func:`_group_output`): by 8x8
+    transposes where its blocks' values are whole rows of 8 in the output, eight blocks at a time, else value
+    by value."""
 
     groups: tuple = field(repr=False)
-    words: tuple | None = field(repr=False)
-    scatter: Placement = field(repr=False)
-    seg_starts: np.ndarray = field(repr=False)
 
 
 def band_major(plan: TransformPlan, dtype, channels_first: bool = False) -> BandMajor | None:
@@ -1548,46 +1523,54 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
     to_output = np.arange(math.prod(shape))
     if channels_first:
         to_output = np.moveaxis(to_output.reshape(channels_first_shape(shape)), 1, -1).reshape(-1)
-    scatter = factor_runs(to_output[index], seg_starts)  # block 0's first value goes to the slab's origin
-    return BandMajor(tuple(groups), _output_rows(scatter, dtype) if len(groups) == 1 else None, scatter, seg_starts)
+    return BandMajor(tuple((first, n, passes, *_group_output(to_output[index[first : first + n]], r1 - r0, first))
+                           for (first, n, passes), (r0, r1) in zip(groups, itertools.pairwise(bounds))))
 
 
-def _output_rows(scatter: Placement, dtype: np.dtype) -> tuple | None:
-    """The tables of the writer of a slab of one block group, or None unless its blocks come in eights and each
-    block's values in the output are whole rows of 8: for uint8 :func:`_bands_to_image`'s, in 8-byte words (the
-    rows aligned to them), for float32 :func:`_bands_to_rows`'s, in values."""
-    bands_at, origins = scatter.base, scatter.blocks
+def _group_output(positions: np.ndarray, n_bands: int, first: int) -> tuple[tuple | None, tuple | None]:
+    """How a block group's result goes out: ``positions`` (each value's place in the output) holds ``n_bands``
+    runs, one per band, of the group's blocks; ``first`` is the group's first position in the result.
+
+    Returns (the tables of :func:`_bands_to_rows` for its blocks in whole eights, None unless each block's
+    values in the output are whole rows of 8; the arguments of :func:`_move` for the other blocks, None when
+    there are none). A group of 3006 blocks (334 28x28 images) goes out 3000 by transposes and 6 value by value.
+    """
+    by_band = positions.reshape(n_bands, -1)
+    n_blocks = by_band.shape[1]
+    bands_at, origins = by_band[:, 0], by_band[0] - by_band[0, 0]  # where block 0's bands go; the blocks' offsets
     by_place = np.argsort(bands_at)
     places = bands_at[by_place]
-    if origins.size % 8 or places.size % 8 or np.any(places.reshape(-1, 8) - places[::8, None] != np.arange(8)):
-        return None
-    if dtype == np.float32:
-        return (by_place * origins.size).astype(np.int64), places[::8].astype(np.int64), origins.astype(np.int64)
-    if sys.byteorder != "little" or np.any(origins % 8) or np.any(places[::8] % 8):
-        return None
-    return by_place.reshape(-1, 8).astype(np.int64), places[::8] // 8, origins // 8
+    whole_rows = (n_bands % 8 == 0 and np.array_equal(by_band - bands_at[:, None], np.broadcast_to(origins, by_band.shape))
+                  and np.all(places.reshape(-1, 8) - places[::8, None] == np.arange(8)))
+    n_rows = n_blocks - n_blocks % 8 if whole_rows else 0
+    rows = None
+    if n_rows:
+        rows = (by_place * n_blocks).astype(np.int64), places[::8].astype(np.int64), origins[:n_rows].astype(np.int64)
+    rest = None
+    if n_rows < n_blocks:
+        tail = by_band[:, n_rows:]
+        p = factor_runs(tail.reshape(-1), np.arange(0, tail.size + 1, tail.shape[1]))
+        rest = (first + n_rows + n_blocks * np.arange(n_bands, dtype=np.int64), p.base, p.group_runs, p.blocks,
+                p.block_starts)
+    return rows, rest
 
 
 def inverse_band_major(values: np.ndarray, scratch: np.ndarray, result: np.ndarray, bm: BandMajor,
                        out: np.ndarray) -> None:
     """Band-major dequantized ``values`` (overwritten, like ``scratch`` of the same size and ``result``, of that
-    size in the output dtype) -> ``out``, the slab's C-contiguous output (uint8 goes out by ``bm.words`` where
-    it is 8-byte aligned)."""
-    for first, n, passes in bm.groups:
+    size in the output dtype) -> ``out``, the slab's C-contiguous output; each block group goes out as soon as
+    its passes are done, while its result is in cache."""
+    out = out.reshape(-1)
+    for first, n, passes, rows, rest in bm.groups:
         cur, other = values[first : first + n], scratch[first : first + n]
         for kernel, view, args, last in passes:
             dst = result[first : first + n] if last else other
             kernel(cur.reshape(view), dst.reshape(view), *args)
             cur, other = dst, cur
-    if bm.words is not None and result.dtype == np.float32:
-        _bands_to_rows(result, out.reshape(-1), *bm.words)
-        return
-    if bm.words is not None and out.ctypes.data % 8 == 0:
-        n_blocks = bm.words[2].size
-        _bands_to_image(result.reshape(-1, n_blocks).view(np.uint64), out.reshape(-1).view(np.uint64), *bm.words)
-        return
-    p = bm.scatter
-    _move(result, out.reshape(-1), True, bm.seg_starts, p.base, p.group_runs, p.blocks, p.block_starts)
+        if rows is not None:
+            _bands_to_rows(result[first : first + n], out, *rows)
+        if rest is not None:
+            _move(result, out, True, *rest)
 
 
 def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:

@@ -176,7 +176,8 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
     np.testing.assert_array_equal(decode_chunk(data, shape, dtype, threads), expected)
 
 
-BAND_MAJOR_CASES = [  # chunks keeping every band decode band-major; True: whole rows of 8 out (transposes)
+BAND_MAJOR_CASES = [  # chunks keeping every band decode band-major; True: the first block group goes out by
+    # transposes (its values are whole rows of 8 in the output), blocks past the last eight value by value
     ((48, 16, 24, 3), (1, 2, 3), (8, 8, 3), False, True),  # RGB, colour product fused with the pass over W
     ((48, 16, 24, 3), (1, 2, 3), (8, 8, 3), True, True),  # the same, written channels-first
     ((40, 16, 32), (1, 2), (8, 8), False, True),  # grey
@@ -185,11 +186,11 @@ BAND_MAJOR_CASES = [  # chunks keeping every band decode band-major; True: whole
     ((40, 16, 16, 3), (1, 2), (8, 8), False, False),  # ... and interleaved: rows of 8 bytes 3 apart
     ((24, 8, 16, 16), (1, 2, 3), (8, 8, 8), False, True),  # volumes
     ((32, 16, 16), (1, 2), (4, 8), False, True),  # blocks of 4
-    ((40, 28, 28), (1, 2), (8, 8), False, False),  # edge blocks: four block groups
-    ((30, 20, 28, 3), (1, 2, 3), (8, 8, 3), True, False),  # edge blocks, colour as a pass of its own there
+    ((40, 28, 28), (1, 2), (8, 8), False, True),  # edge blocks: four block groups, the edge ones by value
+    ((30, 20, 28, 3), (1, 2, 3), (8, 8, 3), True, True),  # edge blocks, colour as a pass of its own there
     ((24, 32, 32, 3), (1, 2, 3), (16, 16, 3), False, True),  # colour with a pass over W in blocks of 16
-    ((20, 24, 24), (1, 2), (8, 8), False, False),  # 9 blocks a sample: slabs of 54 and 63 blocks, not eights
-    ((40, 12, 8), (1, 2), (8, 8), False, False),  # one full and one edge block a sample: alike block offsets
+    ((20, 24, 24), (1, 2), (8, 8), False, True),  # 9 blocks a sample: slabs of 54 and 63 blocks, 6 and 7 by value
+    ((40, 12, 8), (1, 2), (8, 8), False, True),  # one full and one edge block a sample: alike block offsets
 ]
 
 
@@ -214,7 +215,8 @@ def test_band_major_slabs_decode_bit_for_bit_like_the_coefficient_image(case, dt
     monkeypatch.setattr(codec_module, "SLAB_VALUES", math.prod(shape[1:]) * 8)
     parts = slabs(chunk.plan, codec_module.SLAB_VALUES)
     assert len(parts) > 2 and all(band_major(p.plan, dtype, channels_first) for p in parts)
-    assert (band_major(parts[0].plan, dtype, channels_first).words is not None) == words  # the first slab
+    _, _, _, rows, _ = band_major(parts[0].plan, dtype, channels_first).groups[0]  # the first slab's
+    assert (rows is not None) == words
     calls = []
     monkeypatch.setattr(codec_module, "inverse_band_major",
                         lambda *args: calls.append(1) or inverse_band_major(*args))
@@ -222,7 +224,7 @@ def test_band_major_slabs_decode_bit_for_bit_like_the_coefficient_image(case, dt
                                   expected)
     assert len(calls) == len(parts)
     if dtype == np.uint8:
-        shifted = np.empty(expected.size + 1, np.uint8)[1:].reshape(expected.shape)  # not 8-byte aligned: by bytes
+        shifted = np.empty(expected.size + 1, np.uint8)[1:].reshape(expected.shape)  # not 8-byte aligned: stored unaligned
         decode_chunk(data, shape, dtype, threads, out=shifted, channels_first=channels_first)
         np.testing.assert_array_equal(shifted, expected)
 
@@ -238,7 +240,7 @@ def test_blocks_of_8_run_all_their_passes_in_one_kernel(shape, axes, block, one_
     """The bit-for-bit test above holds either way; this one keeps the faster path from being lost."""
     from dctchop.transform import band_major
 
-    _, _, passes = band_major(make_plan(shape, axes, block, block, "square"), np.uint8).groups[0]
+    _, _, passes, _, _ = band_major(make_plan(shape, axes, block, block, "square"), np.uint8).groups[0]
     assert (len(passes) == 1) == one_kernel
 
 
@@ -255,15 +257,24 @@ def test_band_major_only_where_it_applies(shape, axes, block, keep, mask, dtype)
     assert band_major(make_plan(shape, axes, block, keep, mask), dtype) is None
 
 
-@settings(deadline=None)  # the first example compiles the kernel
-@given(st.lists(st.integers(0, 2**64 - 1), min_size=8, max_size=8))
-def test_transpose_bytes_is_the_8x8_byte_transpose(words):
-    from dctchop.transform import _transpose_bytes
+@settings(deadline=None, max_examples=40)  # the first example of each dtype compiles the kernel
+@given(st.sampled_from(["uint8", "float32"]), st.permutations(range(8)), st.permutations(range(8)),
+       st.integers(0, 7), st.integers(0, 7))
+def test_transpose_rows8_moves_eight_rows_of_eight_at_any_alignment(dtype, src_rows, dst_rows, src_add, dst_add):
+    """``dst[dst_at[k] + dst_add + x] = src[src_at[x] + src_add + k]``: rows anywhere (unaligned for bytes)."""
+    from dctchop.transform import _transpose_rows8
 
-    transpose = numba.njit(lambda w: _transpose_bytes(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]))
-    w = np.array(words, dtype=np.uint64)
-    out = np.array(transpose(w), dtype=np.uint64)
-    np.testing.assert_array_equal(out.view(np.uint8).reshape(8, 8), w.view(np.uint8).reshape(8, 8).T)
+    move = numba.njit(lambda src, src_at, src_add, dst, dst_at, dst_add:
+                      _transpose_rows8(src, src_at, 0, src_add, dst, dst_at, 0, dst_add))
+    src = np.arange(8 * 16, dtype=dtype)
+    src_at, dst_at = 16 * np.array(src_rows, np.int64), 16 * np.array(dst_rows, np.int64)
+    dst = np.zeros(8 * 16, dtype)
+    move(src, src_at, src_add, dst, dst_at, dst_add)
+    expected = np.zeros(8 * 16, dtype)
+    for x in range(8):
+        for k in range(8):
+            expected[dst_at[k] + dst_add + x] = src[src_at[x] + src_add + k]
+    np.testing.assert_array_equal(dst, expected)
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
