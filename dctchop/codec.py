@@ -426,13 +426,15 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
             if p.shape not in buffers:  # positions the mask drops stay zero; the others are all written
                 full = p.n_values == math.prod(p.coefficient_shape)
                 image = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
-                result = np.empty(p.n_values, dtype) if bands is not None else None
-                buffers[p.shape] = np.empty(p.n_values, work_dtype(dtype)), image, result
-            values, image, result = buffers[p.shape]
+                n = p.n_values if bands is None else bands.n_values  # a triangle mask's decode as a square one
+                result = np.empty(n, dtype) if bands is not None else None
+                scratch = image.reshape(-1) if full else np.empty(n, work_dtype(dtype))  # the image keeps its zeros
+                buffers[p.shape] = np.empty(n, work_dtype(dtype)), image, result, scratch
+            values, image, result, scratch = buffers[p.shape]
             fill(part.first, part.seg_starts, seg_bands, values)
             target = out[part.region(channels_first)]
             if bands is not None and target.flags.c_contiguous:
-                inverse_band_major(values, image.reshape(-1), result, bands, target)
+                inverse_band_major(values, scratch, result, bands, target)
                 continue
             place(values, p, image.reshape(-1))
             if target.flags.c_contiguous:

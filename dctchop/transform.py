@@ -1455,14 +1455,23 @@ class BandMajor:
     their runs follow one another) ``(first, n, passes, rows, rest)``: its first storage position, size, passes
     as ``(kernel, view, arguments, last)``, and how its result goes out (:func:`_group_output`): by 8x8
     transposes where its blocks' values are whole rows of 8 in the output, eight blocks at a time, else value
-    by value."""
+    by value. ``expand``: for a triangle mask, ``(seg_starts, to)``: the stored runs go to ``to[s]`` in the
+    layout of the square mask, whose other bands are zeros (the coefficient image's zeros), and that layout
+    decodes as a square one."""
 
     groups: tuple = field(repr=False)
+    expand: tuple | None = field(default=None, repr=False)
+
+    @property
+    def n_values(self) -> int:
+        """Values of the (square) band-major layout the passes work on."""
+        first, n, *_ = self.groups[-1]
+        return first + n
 
 
 def band_major(plan: TransformPlan, dtype, channels_first: bool = False) -> BandMajor | None:
     """The band-major decode of slabs with ``plan`` into ``dtype`` (cached), or None where it does not apply:
-    output other than uint8 and float32, or dropped bands (chop, triangle masks). ``channels_first``: into the
+    output other than uint8 and float32, or chop (bands past ``keep`` dropped). ``channels_first``: into the
     slab's channels-first output."""
     return _band_major(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, np.dtype(dtype).str,
                        channels_first)
@@ -1478,8 +1487,19 @@ def _axis_block(p: AxisPlan, width: int) -> tuple[np.ndarray, np.ndarray]:
 def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: bool) -> BandMajor | None:
     plan = _plan(shape, axes, block, keep, mask)
     dtype = np.dtype(dtype_str)
-    if dtype not in (np.uint8, np.float32) or keep != block or plan.n_values != math.prod(shape):
+    if dtype not in (np.uint8, np.float32) or keep != block:
         return None
+    if plan.n_values != math.prod(shape):  # a triangle mask: its runs are some of the square mask's
+        square = _band_major(shape, axes, block, keep, "square", dtype_str, channels_first)
+        index, seg_starts, _ = plan.order
+        square_index, square_starts, _ = _plan(shape, axes, block, keep, "square").order
+        run_at = dict(zip(square_index[square_starts[:-1]].tolist(), range(square_starts.size - 1)))
+        runs = np.array([run_at[i] for i in index[seg_starts[:-1]].tolist()])  # by their first value's place
+        assert np.array_equal(np.diff(seg_starts), np.diff(square_starts)[runs]), "runs of other lengths"
+        to = square_starts[runs]
+        for a in (seg_starts, to):
+            a.setflags(write=False)
+        return BandMajor(square.groups, (seg_starts, to))
     wdt = np.dtype(np.float32)
     is_int = dtype == np.uint8  # the last pass rounds and clips to 0 .. 255
     end_lo, end_hi = wdt.type(0), wdt.type(255 if is_int else 0)
@@ -1555,12 +1575,24 @@ def _group_output(positions: np.ndarray, n_bands: int, first: int) -> tuple[tupl
     return rows, rest
 
 
+@numba.njit(nogil=True, cache=True)
+def _expand(values, seg_starts, to, out):  # pragma: no cover - compiled
+    """Run ``s`` of ``values`` (at ``seg_starts[s]``) to ``out[to[s]:]``; the rest of ``out`` zero."""
+    out[:] = 0
+    for s in range(seg_starts.size - 1):
+        start, end = seg_starts[s], seg_starts[s + 1]
+        out[to[s] : to[s] + end - start] = values[start:end]
+
+
 def inverse_band_major(values: np.ndarray, scratch: np.ndarray, result: np.ndarray, bm: BandMajor,
                        out: np.ndarray) -> None:
-    """Band-major dequantized ``values`` (overwritten, like ``scratch`` of the same size and ``result``, of that
-    size in the output dtype) -> ``out``, the slab's C-contiguous output; each block group goes out as soon as
-    its passes are done, while its result is in cache."""
+    """Band-major dequantized ``values`` (the stored ones at its start; overwritten, like ``scratch``, both of
+    ``bm.n_values``, and ``result``, of that size in the output dtype) -> ``out``, the slab's C-contiguous
+    output; each block group goes out as soon as its passes are done, while its result is in cache."""
     out = out.reshape(-1)
+    if bm.expand is not None:  # the passes then run on scratch, with values as their scratch
+        _expand(values, *bm.expand, scratch)
+        values, scratch = scratch, values
     for first, n, passes, rows, rest in bm.groups:
         cur, other = values[first : first + n], scratch[first : first + n]
         for kernel, view, args, last in passes:
