@@ -10,6 +10,10 @@ group decodes as ``basisᵀ @ (steps * values)``, where row ``u`` of ``basis`` i
 per-axis DCT rows of band ``u`` (the edge blocks' own shorter DCTs included); the triangle mask simply has
 fewer rows. The result is scattered into the chunk with one strided copy per group, then rounded and
 clipped for integer dtypes exactly like :func:`dctchop.transform.inverse` (floor(v + 0.5), clip to range).
+Steps below float32's normal range (float data of magnitude below about 1e-29) travel multiplied by a power of
+two that the output is divided by again (:func:`stage`): on a device that flushes subnormals to zero (CUDA code
+built with fast math does; so does the CPU after ``torch.set_flush_denormal(True)``) such data would otherwise
+decode to noise.
 It equals the numba path up to float32 summation order (tests check this on CPU torch). Matmuls follow
 torch's float32 matmul precision: with TF32 enabled (``torch.set_float32_matmul_precision("high")``) decoded
 values carry TF32 rounding (about 1e-3 relative).
@@ -153,7 +157,24 @@ class StagedChunk:
     dtype: np.dtype
     precision: str
     stored: torch.Tensor = field(repr=False)  # (n_values,) in the storage dtype (bfloat16 bits as int16)
-    steps: torch.Tensor = field(repr=False)  # (n_bands,) in the work dtype
+    steps: torch.Tensor = field(repr=False)  # (n_bands,) in the work dtype, times 2**shift
+    shift: int = 0  # the decoded chunk is divided by 2**shift
+
+
+# float32 steps are kept at or above this: with basis entries down to about 2**-10 (8x8x8 blocks), every
+# product of the decode stays a normal float32
+SMALLEST_STEP = 2.0**-96
+
+
+def step_shift(steps: np.ndarray, dtype: np.dtype) -> int:
+    """The power of two that brings the ``steps`` (float64) of float32 data to at least :data:`SMALLEST_STEP`,
+    0 where they are (all but data of magnitude below about 1e-29; other dtypes: float64 works in float64, and
+    float16 and integer data never get steps that small). Data that small is itself near the bottom of
+    float32's range, so the shift stays far below the 126 that would take 2**-shift out of it."""
+    positive = steps[steps > 0]
+    if dtype != np.float32 or positive.size == 0 or positive.min() >= SMALLEST_STEP:
+        return 0
+    return math.ceil(math.log2(SMALLEST_STEP / positive.min()))
 
 
 def _work_dtype(dtype) -> torch.dtype:
@@ -167,8 +188,9 @@ def stage(chunk: StoredChunk, device: torch.device) -> StagedChunk:
     stored = torch.empty(chunk.stored.size, dtype=_STORAGE_TORCH[chunk.precision], pin_memory=pin)
     host = stored.numpy()
     host[:] = chunk.stored.view(host.dtype)
-    steps = torch.tensor(chunk.steps, dtype=_work_dtype(chunk.dtype))
-    return StagedChunk(chunk.plan, chunk.dtype, chunk.precision, stored, steps.pin_memory() if pin else steps)
+    shift = step_shift(chunk.steps, chunk.dtype)
+    steps = torch.tensor(np.ldexp(chunk.steps, shift), dtype=_work_dtype(chunk.dtype))
+    return StagedChunk(chunk.plan, chunk.dtype, chunk.precision, stored, steps.pin_memory() if pin else steps, shift)
 
 
 class DeviceDecoder:
@@ -208,9 +230,10 @@ class DeviceDecoder:
             self._clip = None
         self._fused = _fused_groups(plan, self.groups, self.device) if self.work == torch.float32 else None
 
-    def upload(self, chunks: list[StagedChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored values ``(n, n_values)`` and steps ``(n, n_bands)`` of ``chunks`` on the device: only these cross,
-        one asynchronous copy each from pinned memory when the device is a GPU."""
+    def upload(self, chunks: list[StagedChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Stored values ``(n, n_values)``, steps ``(n, n_bands)`` and output scales (``2**-shift`` per chunk, see
+        :class:`StagedChunk`; None when every shift is 0) of ``chunks`` on the device: only these cross, one asynchronous copy each from pinned memory
+        when the device is a GPU."""
         precision = chunks[0].precision
         if any(c.precision != precision or plan_key(c.plan) != plan_key(self.plan) for c in chunks):
             raise DctchopError("chunks decoded together must share one plan and precision")
@@ -221,10 +244,20 @@ class DeviceDecoder:
             steps[i].copy_(c.steps, non_blocking=True)
         if precision == "bfloat16":
             stored = stored.view(torch.bfloat16)
-        return stored, steps
+        scales = None
+        if any(c.shift for c in chunks):  # 2**-shift per chunk: exact, and a normal float32
+            scales = torch.tensor([2.0 ** -c.shift for c in chunks], dtype=self.work)
+            scales = scales.view(-1, *[1] * len(self.plan.shape)).to(self.device)
+        return stored, steps, scales
 
-    def __call__(self, stored: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` steps into ``(n, *chunk_shape)``."""
+    def __call__(self, stored: torch.Tensor, steps: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` steps into ``(n, *chunk_shape)``, times the
+        per-chunk ``scales`` that :meth:`upload` gives with them (None: all 1). Only float32 data has scales,
+        whose output is neither rounded nor clipped: they apply last, on either path."""
+        out = self._decode(stored, steps)
+        return out if scales is None else out.mul_(scales)
+
+    def _decode(self, stored: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
             from dctchop.cuda_decode import decode_groups
 

@@ -497,6 +497,31 @@ def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
 
 
 @needs_torch
+@pytest.mark.parametrize("scale", [1e-30, 1e-35, 1e-37])
+def test_device_decode_of_tiny_float32_data_survives_flushing_subnormals(scale):
+    """Steps of data this small are float32 subnormals; they travel shifted by a power of two, so a device
+    that flushes subnormals (emulated here with torch.set_flush_denormal on the CPU) decodes them right.
+    Unshifted, data at 1e-37 decoded at 18 dB against 60 dB."""
+    from dctchop.torch_decode import SMALLEST_STEP, decode_on_device, stage
+
+    rng = np.random.default_rng(0)
+    x = (np.cumsum(np.cumsum(rng.normal(size=(4, 32, 32)), -1), -2) * scale).astype(np.float32)
+    peak = float(x.max() - x.min())
+    data = encode_chunk(x, ChunkSettings((1, 2), (8, 8), (8, 8), precision="int16", target_psnr=60.0, peak=peak))
+    ref = decode_chunk(data, x.shape, x.dtype)
+    staged = stage(read_stored(data, x.shape, x.dtype), "cpu")
+    assert staged.shift > 0 and float(staged.steps.min()) >= SMALLEST_STEP
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        got = decode_on_device([staged] * 2, "cpu")[1].numpy()
+    finally:
+        torch.set_flush_denormal(False)
+    assert np.abs(got.astype(np.float64) - ref).max() <= 2e-3 * peak  # flushed outputs: below 1.2e-38
+    assert 20 * np.log10(peak) - 10 * np.log10(np.mean((got.astype(np.float64) - x) ** 2)) >= 59.9
+
+
+@needs_torch
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_device_loader_equals_host_loader(image_store, field_store, device):
     for store, kw in ((image_store, {"mean": [120, 110, 100], "std": 50}), (field_store, {})):
