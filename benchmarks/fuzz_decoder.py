@@ -23,25 +23,28 @@ import numpy as np
 from dctchop.codec import ChunkSettings, decode_chunk, encode_chunk
 from dctchop.errors import CorruptChunkError
 
-SEED_SETTINGS = [
-    ((6, 20, 28, 3), "uint8", ChunkSettings((1, 2), (8, 8), (4, 4), "square", "float16")),
-    ((4, 16, 13), "uint8", ChunkSettings((1, 2), (8, 8), (6, 6), "triangle", "bfloat16")),
-    ((2, 24, 24), "uint16", ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int16", step=40.0)),
-    ((2, 17, 19), "int16", ChunkSettings((1, 2), (8, 4), (8, 4), "square", "int8", target_psnr=45.0)),
-    ((12, 10, 9), "float32", ChunkSettings((0, 1, 2), (4, 4, 4), (3, 2, 4), "square", "float32")),
-    ((5, 50), "float64", ChunkSettings((1,), (16,), (9,), "square", "int16")),
-    ((2, 2, 12, 12), "float16", ChunkSettings((2, 3), (6, 6), (4, 4), "triangle", "int8", step=0.05)),
+SEED_SETTINGS = [  # (shape, dtype, where the values lie, settings)
+    ((6, 20, 28, 3), "uint8", 60.0, ChunkSettings((1, 2), (8, 8), (4, 4), "square", "float16")),
+    ((4, 16, 13), "uint8", 60.0, ChunkSettings((1, 2), (8, 8), (6, 6), "triangle", "bfloat16")),
+    ((2, 24, 24), "uint16", 60.0, ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int16", step=40.0)),
+    ((2, 17, 19), "int16", 60.0, ChunkSettings((1, 2), (8, 4), (8, 4), "square", "int8", target_psnr=45.0)),
+    ((12, 10, 9), "float32", 60.0, ChunkSettings((0, 1, 2), (4, 4, 4), (3, 2, 4), "square", "float32")),
+    ((5, 50), "float64", 60.0, ChunkSettings((1,), (16,), (9,), "square", "int16")),
+    ((2, 2, 12, 12), "float16", 60.0, ChunkSettings((2, 3), (6, 6), (4, 4), "triangle", "int8", step=0.05)),
     # uint8 keeping every band: band-major decode, by byte transposes and by byte stores (edge blocks)
-    ((8, 16, 16, 3), "uint8", ChunkSettings((1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "int16", target_psnr=40.0)),
-    ((3, 20, 28), "uint8", ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int8", step=2.0)),
+    ((8, 16, 16, 3), "uint8", 60.0,
+     ChunkSettings((1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "int16", target_psnr=40.0)),
+    ((3, 20, 28), "uint8", 60.0, ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int8", step=2.0)),
+    # float data far from zero: stored relative to an offset (header flag bit 2)
+    ((2, 16, 16), "float32", 1000.0, ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int16", target_psnr=60.0)),
 ]
 BOUNDARY = [0, 1, 2, 3, 7, 8, 63, 64, 65, 127, 128, 255]
 
 
 def seeds(rng: np.random.Generator) -> list[tuple[bytes, tuple[int, ...], np.dtype]]:
     out = []
-    for shape, dtype, settings in SEED_SETTINGS:
-        x = rng.normal(size=shape) * 20 + 60
+    for shape, dtype, centre, settings in SEED_SETTINGS:
+        x = rng.normal(size=shape) * 20 + centre
         if np.dtype(dtype).kind in "iu":
             info = np.iinfo(dtype)
             x = x.clip(info.min, info.max)

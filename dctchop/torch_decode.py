@@ -13,7 +13,7 @@ clipped for integer dtypes exactly like :func:`dctchop.transform.inverse` (floor
 Steps below float32's normal range (float data of magnitude below about 1e-29) travel multiplied by a power of
 two that the output is divided by again (:func:`stage`): on a device that flushes subnormals to zero (CUDA code
 built with fast math does; so does the CPU after ``torch.set_flush_denormal(True)``) such data would otherwise
-decode to noise.
+decode to noise. A chunk's offset (:func:`dctchop.codec.chunk_offset`) is added last, as on the host.
 It equals the numba path up to float32 summation order (tests check this on CPU torch). Matmuls follow
 torch's float32 matmul precision: with TF32 enabled (``torch.set_float32_matmul_precision("high")``) decoded
 values carry TF32 rounding (about 1e-3 relative).
@@ -159,6 +159,7 @@ class StagedChunk:
     stored: torch.Tensor = field(repr=False)  # (n_values,) in the storage dtype (bfloat16 bits as int16)
     steps: torch.Tensor = field(repr=False)  # (n_bands,) in the work dtype, times 2**shift
     shift: int = 0  # the decoded chunk is divided by 2**shift
+    offset: float = 0.0  # then the chunk's offset is added
 
 
 # float32 steps are kept at or above this: with basis entries down to about 2**-10 (8x8x8 blocks), every
@@ -190,7 +191,8 @@ def stage(chunk: StoredChunk, device: torch.device) -> StagedChunk:
     host[:] = chunk.stored.view(host.dtype)
     shift = step_shift(chunk.steps, chunk.dtype)
     steps = torch.tensor(np.ldexp(chunk.steps, shift), dtype=_work_dtype(chunk.dtype))
-    return StagedChunk(chunk.plan, chunk.dtype, chunk.precision, stored, steps.pin_memory() if pin else steps, shift)
+    return StagedChunk(chunk.plan, chunk.dtype, chunk.precision, stored, steps.pin_memory() if pin else steps, shift,
+                       chunk.offset)
 
 
 class DeviceDecoder:
@@ -230,10 +232,11 @@ class DeviceDecoder:
             self._clip = None
         self._fused = _fused_groups(plan, self.groups, self.device) if self.work == torch.float32 else None
 
-    def upload(self, chunks: list[StagedChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Stored values ``(n, n_values)``, steps ``(n, n_bands)`` and output scales (``2**-shift`` per chunk, see
-        :class:`StagedChunk`; None when every shift is 0) of ``chunks`` on the device: only these cross, one asynchronous copy each from pinned memory
-        when the device is a GPU."""
+    def upload(self, chunks: list[StagedChunk]) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """Stored values ``(n, n_values)``, steps ``(n, n_bands)`` and what is done to each decoded chunk last
+        (``(scales, offsets)``: ``2**-shift`` and the offset per chunk, see :class:`StagedChunk`; None when
+        there is nothing to do) of ``chunks`` on the device: only these cross, one asynchronous copy each
+        from pinned memory when the device is a GPU."""
         precision = chunks[0].precision
         if any(c.precision != precision or plan_key(c.plan) != plan_key(self.plan) for c in chunks):
             raise DctchopError("chunks decoded together must share one plan and precision")
@@ -244,18 +247,22 @@ class DeviceDecoder:
             steps[i].copy_(c.steps, non_blocking=True)
         if precision == "bfloat16":
             stored = stored.view(torch.bfloat16)
-        scales = None
-        if any(c.shift for c in chunks):  # 2**-shift per chunk: exact, and a normal float32
-            scales = torch.tensor([2.0 ** -c.shift for c in chunks], dtype=self.work)
-            scales = scales.view(-1, *[1] * len(self.plan.shape)).to(self.device)
-        return stored, steps, scales
+        last = None
+        if any(c.shift or c.offset for c in chunks):  # 2**-shift is exact, and a normal float32
+            shape = (-1, *[1] * len(self.plan.shape))
+            last = tuple(torch.tensor(v, dtype=self.work).view(shape).to(self.device)
+                         for v in ([2.0 ** -c.shift for c in chunks], [c.offset for c in chunks]))
+        return stored, steps, last
 
-    def __call__(self, stored: torch.Tensor, steps: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` steps into ``(n, *chunk_shape)``, times the
-        per-chunk ``scales`` that :meth:`upload` gives with them (None: all 1). Only float32 data has scales,
-        whose output is neither rounded nor clipped: they apply last, on either path."""
+    def __call__(self, stored: torch.Tensor, steps: torch.Tensor, last: tuple | None = None) -> torch.Tensor:
+        """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` steps into ``(n, *chunk_shape)``, then scale
+        and offset each chunk as ``last`` (from :meth:`upload`) says. Only float32/float64 data has scales or
+        offsets, whose output is neither rounded nor clipped: they apply last, on either path."""
         out = self._decode(stored, steps)
-        return out if scales is None else out.mul_(scales)
+        if last is not None:
+            scales, offsets = last
+            out.mul_(scales).add_(offsets)
+        return out
 
     def _decode(self, stored: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:

@@ -486,7 +486,7 @@ def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
     groups = [fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)]
     stored = qz.numeric(coded.stored, coded.precision)
     got = _emulate_fused_kernel(groups, stored.astype(np.float64), coded.steps.astype(np.float64),
-                                math.prod(header.shape)).reshape(header.shape)
+                                math.prod(header.shape)).reshape(header.shape) + coded.offset  # added last
     ref = decode_chunk(data, header.shape, header.dtype)
     if ref.dtype.kind in "iu":
         info = np.iinfo(ref.dtype)

@@ -166,3 +166,25 @@ def test_an_encode_error_stops_the_pipeline(monkeypatch):
 def test_targets_out_of_range_say_what_is_allowed(kind, value, message):
     with pytest.raises(DctchopError, match=f"--{kind} must be .*{message}"):
         Target(kind, value)
+
+
+def test_fields_far_from_zero_reach_the_default_target_in_every_chunk(tmp_path):
+    """Pressures in Pa (101325 +- 250) once stopped at 55 dB (the DC coefficient's int16 levels carried the
+    offset): the default --psnr 60 failed and --ratio could not buy more than 55 dB. Chunks are now stored
+    relative to their midrange, the partial last one (padded with zero samples) too."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((10, 16, 16, 16))
+    for axis in (1, 2, 3):
+        x = np.cumsum(x, axis=axis)
+    x = (101325 + 500 * (x - x.min()) / (x.max() - x.min()) - 250).astype(np.float32)
+    np.save(tmp_path / "p.npy", x)
+    for target, check in ((None, lambda psnr: psnr >= 60.0), (Target("ratio", 6.0), lambda psnr: psnr > 60.0)):
+        out = tmp_path / f"{target}.zarr"
+        summary = compress(open_source(str(tmp_path / "p.npy")), out,
+                           CompressOptions(target=target, chunk_samples=4))
+        data = summary["arrays"]["data"]
+        chunk_psnr = zarr.open_group(str(out), mode="r")["dctchop_meta/data/psnr"][:]
+        assert chunk_psnr.size == 3 and all(check(p) for p in chunk_psnr), chunk_psnr
+        y = zarr.open_group(str(out), mode="r")["data"][:]
+        peak = float(x.max()) - float(x.min())
+        assert 10 * np.log10(peak**2 / np.mean((y.astype(np.float64) - x) ** 2)) == pytest.approx(data["psnr"], abs=0.01)
