@@ -17,6 +17,7 @@ pipeline or chunk key layout are decoded through Zarr instead.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -134,6 +135,12 @@ def _chunk_bounds(index: int, chunk_len: int, length: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------- views
 
 
+def _array_name(name: str) -> str:
+    """A store's name for an array: HDF5's absolute ``/train/images`` is ``train/images`` there (the
+    compressor strips the slash)."""
+    return name[1:] if isinstance(name, str) and name.startswith("/") else name
+
+
 def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
     """(sample indices, whether axis 0 is kept) for an index along axis 0; IndexError when out of range."""
     if isinstance(key, (int, np.integer)):
@@ -143,6 +150,8 @@ def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
         return np.array([i % n]), False
     if isinstance(key, slice):
         return np.arange(*key.indices(n)), True
+    if isinstance(key, list) and not key:  # numpy reads [] as an empty integer index; asarray makes it float
+        return np.zeros(0, dtype=np.int64), True
     if key is Ellipsis:
         return np.arange(n), True
     idx = np.asarray(key)
@@ -259,9 +268,10 @@ class Dataset:
     """Read-only view of a dctchop store; see :func:`open`.
 
     ``len``, ``shape``, ``dtype`` and integer/slice/fancy indexing refer to the main array (the store's lossy
-    array, the first one when there are several, unless ``main`` names another); ``ds[name]`` is any array of
-    the store as an :class:`ArrayView`. The lossless copies are read in the main array's chunks. Pickles by
-    path, so it can be handed to worker processes.
+    array; of several, the one with the most values per sample, the data rather than, say, its boxes, unless
+    ``main`` names another); ``ds[name]`` is any array of the store as an :class:`ArrayView`. Names may start
+    with a ``/`` as in HDF5. The lossless copies are read in the main array's chunks. Pickles by path, so it
+    can be handed to worker processes.
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, main: str | None = None) -> None:
@@ -273,19 +283,24 @@ class Dataset:
         self.lossless_names = tuple(n for n in info.get("lossless", []) if n not in info["arrays"])
         if not self.lossy_names:
             raise DctchopError(f"{self.path}: the store lists no compressed array")
-        main = self.lossy_names[0] if main is None else main
-        if main not in self.lossy_names:
-            raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "
-                               f"{', '.join(self.lossy_names)}")
         self._views: dict[str, ArrayView] = {}
         for name in self.lossy_names:
             array = self._zarr_array(group, name)
             self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array), info["arrays"][name],
                                           self._threads)
+        main = self._default_main() if main is None else _array_name(main)
+        if main not in self.lossy_names:
+            raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "
+                               f"{', '.join(self.lossy_names)}")
         self.main = self._views[main]
         for name in self.lossless_names:
             array = self._zarr_array(group, name)
             self._views[name] = ArrayView(_LosslessArray(name, array, self.main.chunk_len), None, self._threads)
+
+    def _default_main(self) -> str:
+        """The lossy array with the most values per sample (the first name on a tie): the images of a store
+        that also compresses their boxes, whichever name sorts first."""
+        return max(self.lossy_names, key=lambda n: math.prod(self._views[n].shape[1:]))
 
     def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:
         try:
@@ -327,10 +342,12 @@ class Dataset:
         return self.shape[0]
 
     def array(self, name: str) -> ArrayView:
-        """The array ``name``; a :class:`DctchopError` listing the store's arrays when there is none."""
-        if name not in self._views:
+        """The array ``name`` (``/name`` too, as HDF5 writes it); a :class:`DctchopError` listing the store's
+        arrays when there is none."""
+        key = _array_name(name)
+        if key not in self._views:
             raise DctchopError(f"{self.path} has no array {name!r}; it has: {', '.join(self.arrays)}")
-        return self._views[name]
+        return self._views[key]
 
     def __getitem__(self, key):
         if isinstance(key, str):
@@ -338,7 +355,7 @@ class Dataset:
         return self.main[key]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._views
+        return isinstance(name, str) and _array_name(name) in self._views
 
     def __array__(self, dtype=None, copy=None):
         return self.main.__array__(dtype)
@@ -365,8 +382,9 @@ def open(path: str | os.PathLike, threads: int | None = None,
     threads : int, optional
         Threads for requests that span several chunks; default one per core.
     main : str, optional
-        The compressed array that ``len``, ``shape`` and indexing refer to (default: the first), say
-        ``test/images`` of a store that holds a train and a test split of different lengths.
+        The compressed array that ``len``, ``shape`` and indexing refer to (default: the one with the most
+        values per sample, the first name on a tie), say ``test/images`` of a store that holds a train and a
+        test split of different lengths. A leading ``/`` (HDF5's absolute names) is ignored.
 
     Raises
     ------

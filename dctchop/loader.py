@@ -2,10 +2,17 @@
 
 Order (SOLAR-style, Sun et al.). Random access per sample would decode a whole chunk per sample, so every
 epoch reads each chunk once: the chunk order is shuffled (seeded by ``seed`` and the epoch), the samples of
-that order are split into contiguous, equal shares (one per rank, then one per DataLoader worker), and each
-share is shuffled within windows of ``window`` consecutive chunks. Every sample appears exactly once per
-epoch; shares are disjoint and together cover the data; a chunk is decoded by at most two shares (the one
-at each boundary). Within a batch, samples are grouped by chunk so each group is one contiguous copy.
+that order are split into contiguous shares, one per rank, then one part per DataLoader worker, and each
+part is shuffled within windows of ``window`` consecutive chunks. Every rank's share has the same size, so
+every rank yields the same number of batches, as with torch's ``DistributedSampler`` (a rank that stopped
+early would hang the others at their next collective op). When ``world_size`` does not divide the ``n``
+samples, ``drop_last`` leaves out the last ``n % world_size`` samples of the epoch's order (the end of its
+last chunk, a different chunk each epoch when shuffled); without it the shares are split as evenly as
+possible and each share one sample short repeats a sample of its own last chunk, which it decodes anyway.
+Shares are disjoint and cover the data when ``world_size`` divides it. A chunk is decoded at most once per
+share, by the shares that hold samples of it: at most two when shares are a chunk or longer (with fewer
+samples than ranks, a share with none of its own takes the one after it in the order). Within a batch,
+samples are grouped by chunk so each group is one contiguous copy.
 
 Pipeline. ``threads`` background threads read, check and decode chunks (numba kernels that release the GIL)
 and gather the samples of each batch into a contiguous array, converting them to the output layout, dtype
@@ -43,7 +50,7 @@ from dctchop.jit import numba
 from dctchop.layout import infer_axes
 from dctchop.transform import channels_first_axes, channels_first_shape, resolve_threads
 
-__all__ = ["Loader", "epoch_order"]
+__all__ = ["Loader", "epoch_order", "share_size"]
 
 OUTPUT_DTYPES = ("float32", "float16", "bfloat16", "uint8")
 LAYOUTS = ("channels_first", "channels_last", "stored")
@@ -65,29 +72,68 @@ def require_torch():
 # ---------------------------------------------------------------------------------------------- order
 
 
-def epoch_order(n: int, chunk_len: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0, window: int = 4,
-                part: int = 0, parts: int = 1) -> np.ndarray:
-    """Sample indices of one epoch for share ``part`` of ``parts``, in the order they are yielded.
+def share_size(n: int, world_size: int, drop_last: bool) -> int:
+    """Samples in each rank's share of an epoch of ``n``: the same on every rank, so that every rank runs
+    the same number of steps (a rank that finished early would hang the others' next collective op)."""
+    return n // world_size if drop_last else -(-n // world_size)
 
-    The same ``(seed, epoch)`` gives the same chunk order on every rank, so the shares of all ranks are
-    disjoint and cover ``range(n)``; each share is then shuffled within windows of ``window`` chunks with a
-    generator seeded by ``(seed, epoch, part, parts)``. Without ``shuffle`` the share is in storage order.
+
+def epoch_order(n: int, chunk_len: int, *, shuffle: bool = True, seed: int = 0, epoch: int = 0,
+                window: int = 4, rank: int = 0, world_size: int = 1, drop_last: bool = False, worker: int = 0,
+                num_workers: int = 1) -> np.ndarray:
+    """Sample indices of one epoch for ``worker`` of ``num_workers`` in ``rank`` of ``world_size``, in the
+    order they are yielded.
+
+    The same ``(seed, epoch)`` gives the same chunk order on every rank; its samples are split into
+    contiguous shares of :func:`share_size` samples, one per rank. When ``world_size`` does not divide
+    ``n``, ``drop_last`` leaves out the last ``n % world_size`` samples of that order. Without it the shares
+    are split as evenly as possible and each share one sample short repeats one sample of its last chunk
+    (chosen by ``(seed, epoch, rank)``; without ``shuffle``, its last sample), so no share decodes a chunk
+    more for the padding; a share with no sample, when there are fewer samples than ranks, takes the sample
+    after it in the order. Each rank's share is then split into contiguous parts, one per worker (together
+    they are the share); each part is shuffled within windows of ``window`` chunks with a generator seeded
+    by ``(seed, epoch)`` and the part. Without ``shuffle`` the parts are in storage order.
     """
     n_chunks = -(-n // chunk_len)
     chunks = np.random.default_rng([seed, epoch]).permutation(n_chunks) if shuffle else np.arange(n_chunks)
     sizes = np.minimum(chunk_len, n - chunks * chunk_len)
     ends = np.cumsum(sizes)
     begins = ends - sizes
-    lo, hi = n * part // parts, n * (part + 1) // parts
-    first, last = int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(begins, hi, "left"))
-    pieces = []
-    for pos in range(first, last):
-        a, b = max(lo, begins[pos]) - begins[pos], min(hi, ends[pos]) - begins[pos]
-        pieces.append(chunks[pos] * chunk_len + np.arange(a, b, dtype=np.int64))
+    offset = chunks * chunk_len - begins  # sample index minus position in the order, per chunk of the order
+
+    def pieces_at(lo: int, hi: int) -> list[np.ndarray]:
+        """The samples at positions ``lo..hi-1`` of the epoch's order, one array per chunk."""
+        if lo >= hi:
+            return []
+        first, last = int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(begins, hi, "left"))
+        return [offset[p] + np.arange(max(lo, begins[p]), min(hi, ends[p]), dtype=np.int64)
+                for p in range(first, last)]
+
+    size = share_size(n, world_size, drop_last)
+    if drop_last:
+        lo, hi = rank * size, (rank + 1) * size
+    else:
+        lo, hi = n * rank // world_size, n * (rank + 1) // world_size
+    # this worker's part: positions a..b-1 of the share, whose last one is the repeated sample if any
+    a, b = size * worker // num_workers, size * (worker + 1) // num_workers
+    pieces = pieces_at(lo + a, min(lo + b, hi))
+    if hi - lo < size and b == size:
+        if hi == lo:  # fewer samples than ranks: the sample after the share
+            at = lo % n
+        else:  # a sample of the share's last chunk, which it decodes anyway: the last one, or a random one
+            start = max(lo, int(begins[np.searchsorted(ends, hi - 1, "right")]))
+            rng = np.random.default_rng([seed, epoch, 2, rank, world_size])
+            at = int(rng.integers(start, hi)) if shuffle else hi - 1
+        pad = pieces_at(at, at + 1)[0]
+        if pieces and pieces[-1][0] // chunk_len == pad[0] // chunk_len:
+            pieces[-1] = np.concatenate([pieces[-1], pad])
+        else:
+            pieces.append(pad)
     if not pieces:
         return np.zeros(0, dtype=np.int64)
     if not shuffle:
         return np.concatenate(pieces)
+    part, parts = rank * num_workers + worker, world_size * num_workers
     rng = np.random.default_rng([seed, epoch, 1, part, parts])
     return np.concatenate([rng.permutation(np.concatenate(pieces[w : w + window]))
                            for w in range(0, len(pieces), window)])
@@ -103,7 +149,7 @@ class OutputSpec:
     name: str
     lossy: bool
     perm: tuple[int, ...]  # of (sample, *item axes) as stored -> as yielded
-    dtype: str  # output dtype name ("float32", ..., or the stored dtype)
+    dtype: str | np.dtype  # output dtype name ("float32", ..., or the stored one); a lossless array's dtype
     item_shape: tuple[int, ...]
     channel_axis: int | None = None  # in the yielded layout (batch axis = 0)
     scale: np.ndarray | None = field(default=None, repr=False)  # x * scale + shift, shaped to broadcast
@@ -282,9 +328,9 @@ class _Batch:
 class Loader:
     """Shuffled, decoded batches from a dctchop store, built in background threads.
 
-    Iterating yields ``(x, y)`` (the lossy array and ``labels``), just ``x`` when the store has no labels,
-    or one item per name in ``arrays``. Each batch is a fresh contiguous array (numpy by default, torch
-    tensors with ``output="torch"`` or a ``device``). Call :meth:`set_epoch` before each epoch.
+    Iterating yields ``(x, y)`` (the store's main array and ``labels``), just ``x`` when the store has no
+    labels, or one item per name in ``arrays``. Each batch is a fresh contiguous array (numpy by default,
+    torch tensors with ``output="torch"`` or a ``device``). Call :meth:`set_epoch` before each epoch.
 
     Parameters
     ----------
@@ -297,9 +343,14 @@ class Loader:
     seed : int
         With the epoch, fixes the order: the same on every run and every rank.
     drop_last : bool
-        Drop this share's last, short batch.
+        Drop this share's last, short batch; with ``world_size`` that does not divide the samples, first
+        leave out the last ``n % world_size`` samples of the epoch's order so that the shares are equal.
+        Without it such shares are made equal by repeating a sample in each short one (see the module
+        docstring). Either way every rank yields ``len(loader)`` batches, the same on every rank.
     arrays : sequence of str, optional
-        Arrays to yield, in order; default the lossy array plus ``labels`` when the store has it.
+        Arrays to yield, in order; default the store's main array (the compressed one with the most values
+        per sample, see :func:`dctchop.open`) plus ``labels`` when the store has it. A leading ``/`` is
+        ignored.
     dtype : {"float32", "float16", "bfloat16", "uint8"} or None
         Dtype of lossy arrays in the batches (None: as stored). ``bfloat16`` needs torch output; ``uint8``
         needs uint8 data and no normalisation. Lossless arrays (labels) keep their dtype.
@@ -316,7 +367,8 @@ class Loader:
     threads : int, optional
         Threads that decode chunks and gather batches; default one per core, at most 4.
     rank, world_size : int
-        This process's share in distributed training: shares of all ranks are disjoint and cover the data.
+        This process's share in distributed training: shares of all ranks have the same size; they are
+        disjoint and cover the data when ``world_size`` divides it, else padded or trimmed (``drop_last``).
     output : {"numpy", "torch"}
         Array type of the batches. A ``device`` implies torch.
     device : str or torch.device, optional
@@ -324,7 +376,8 @@ class Loader:
         and decoded by matmuls on the device; otherwise batches are decoded on the host into pinned memory
         (for CUDA) and copied.
     worker, num_workers : int
-        Sub-shares of this rank's share (:class:`dctchop.TorchDataset` sets these in DataLoader workers).
+        Sub-shares of this rank's share, each of its samples in one (:class:`dctchop.TorchDataset` sets
+        these in DataLoader workers; their batch counts may differ, the DataLoader merges them).
 
     Raises
     ------
@@ -378,6 +431,8 @@ class Loader:
         if first is not None and first != self.dataset.main.name:  # samples and chunks are counted on it
             self.dataset = Dataset(self.dataset.path, threads=1, main=first)
         self.specs = [self._spec(name, name == first, dtype, layout, mean, std) for name in self.names]
+        if self.torch:
+            self._check_torch_dtypes()
         self._views = [self.dataset.array(name) for name in self.names]
         # channels-last arrays yielded channels-first are decoded that way (planar kernels; a cheap gather)
         self._decode_channels_first = [s.lossy and not self.device_decode and len(s.perm) > 2
@@ -403,8 +458,7 @@ class Loader:
             names = [arrays] if isinstance(arrays, str) else list(arrays)
             if not names:
                 raise DctchopError("arrays names no array")
-            for name in names:
-                ds.array(name)  # raises naming the store's arrays
+            names = [ds.array(name).name for name in names]  # raises naming the store's arrays; "/x" is "x"
         first = next((ds.array(n) for n in names if ds.array(n).lossy), ds.main)
         n = first.shape[0]
         for name in names:
@@ -421,7 +475,8 @@ class Loader:
         view = self.dataset.array(name)
         ndim = len(view.shape)
         if not view.lossy:
-            return OutputSpec(name, False, tuple(range(ndim)), str(view.dtype), view.shape[1:])
+            # the dtype itself: the name of a compound one ("[('a', '<i4'), ...]") does not parse back
+            return OutputSpec(name, False, tuple(range(ndim)), view.dtype, view.shape[1:])
         perm, channel_axis = _layout_perm(_data_layout(view), ndim, layout)
         item_shape = tuple(view.shape[p] for p in perm[1:])
         scale, shift = _normalisation(mean, std, item_shape, channel_axis, name) if first else (None, None)
@@ -432,6 +487,17 @@ class Loader:
             raise DctchopError(f"mean/std need a floating-point dtype, got {out}")
         return OutputSpec(name, True, perm, out, item_shape, channel_axis, scale, shift)
 
+    def _check_torch_dtypes(self) -> None:
+        """Refuse arrays torch has no tensor dtype for (bytes, strings, objects, compound records) here,
+        not with torch's TypeError in the middle of an epoch (compressed arrays are always numbers)."""
+        for name in self.names:
+            stored = self.dataset.array(name).dtype
+            if stored.kind not in "biufc":
+                others = [n for n in self.names if n != name]
+                hint = f"arrays={others!r} to leave it out" if others else "arrays= to yield others"
+                raise DctchopError(f"array {name} holds {stored} values, which torch tensors cannot hold; "
+                                   f"pass {hint}, or output='numpy'")
+
     # order ---------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from now on (call it before each epoch, like ``DistributedSampler``)."""
@@ -439,23 +505,19 @@ class Loader:
             raise DctchopError(f"epoch must be a non-negative integer, got {epoch!r}")
         self.epoch = int(epoch)
 
-    @property
-    def _part(self) -> tuple[int, int]:
-        return self.rank * self.num_workers + self.worker, self.world_size * self.num_workers
-
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """Sample indices this loader yields in ``epoch`` (default: the current one), in order (within a
         batch the loader then groups them by chunk)."""
-        part, parts = self._part
         return epoch_order(len(self.dataset), self.dataset.chunk_len, shuffle=self.shuffle, seed=self.seed,
-                           epoch=self.epoch if epoch is None else epoch, window=self.window, part=part, parts=parts)
+                           epoch=self.epoch if epoch is None else epoch, window=self.window, rank=self.rank,
+                           world_size=self.world_size, drop_last=self.drop_last, worker=self.worker,
+                           num_workers=self.num_workers)
 
     @property
     def n_samples(self) -> int:
-        """Samples in this loader's share of an epoch."""
-        part, parts = self._part
-        n = len(self.dataset)
-        return n * (part + 1) // parts - n * part // parts
+        """Samples in this loader's share of an epoch (this worker's part of it): the same on every rank."""
+        size = share_size(len(self.dataset), self.world_size, self.drop_last)
+        return size * (self.worker + 1) // self.num_workers - size * self.worker // self.num_workers
 
     def __len__(self) -> int:
         m = self.n_samples
@@ -594,7 +656,7 @@ class Loader:
 
     # misc ----------------------------------------------------------------------------------------------
     def __repr__(self) -> str:
-        part, parts = self._part
+        part, parts = self.rank * self.num_workers + self.worker, self.world_size * self.num_workers
         return (f"<dctchop.Loader {str(self.dataset.path)!r} arrays={self.names} batch_size={self.batch_size} "
                 f"epoch={self.epoch} share {part + 1}/{parts}: {self.n_samples} samples, {len(self)} batches>")
 

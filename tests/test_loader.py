@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import glob
+import itertools
 import math
+import re
 import runpy
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from dctchop import quantize as qz
 from dctchop.codec import ChunkSettings, decode_chunk, encode_chunk, read_header, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.formats import open_source
-from dctchop.loader import epoch_order
+from dctchop.loader import epoch_order, share_size
 from dctchop.store import CompressOptions, Target, compress
 
 try:
@@ -61,6 +63,25 @@ def field_store(tmp_path_factory):
     np.save(d / "fields.npy", np.stack([np.roll(field, 3 * k, axis=0)[:16, :12, :20] for k in range(40)]))
     compress(open_source(str(d / "fields.npy")), d / "fields.zarr", CompressOptions(chunk_samples=6))
     return d / "fields.zarr"
+
+
+@pytest.fixture(scope="module")
+def index_store(tmp_path_factory):
+    """Makes (once per size) a store of ``n`` small random images in chunks of ``chunk`` samples, with each
+    sample's index as a lossless array: loaders that yield only ``index`` decode nothing."""
+    made = {}
+
+    def make(n: int, chunk: int):
+        if (n, chunk) not in made:
+            d = tmp_path_factory.mktemp(f"index{n}")
+            with h5py.File(d / "in.h5", "w") as f:
+                f["images"] = np.random.default_rng(n).integers(0, 256, (n, 16, 16), dtype=np.uint8)
+                f["index"] = np.arange(n)
+            compress(open_source(str(d / "in.h5")), d / "s.zarr", CompressOptions(chunk_samples=chunk))
+            made[n, chunk] = d / "s.zarr"
+        return made[n, chunk]
+
+    return make
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +178,54 @@ def test_open_refuses_what_is_not_a_store(tmp_path):
         dctchop.Loader(tmp_path / "plain.zarr", batch_size=4)
 
 
+def test_the_main_array_is_the_lossy_one_with_the_most_values_per_sample(tmp_path):
+    """boxes sorts before images, but the images are the data: open() and the Loader default to them."""
+    rng = np.random.default_rng(0)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["boxes"] = rng.random((200, 4)).astype(np.float32)
+        f["images"] = rng.integers(0, 256, (200, 32, 32, 3), dtype=np.uint8)
+        f["labels"] = np.arange(200) % 10
+    store = tmp_path / "boxes.zarr"
+    source = open_source(str(tmp_path / "in.h5"), datasets=["boxes", "images"])  # boxes lossy too, named
+    compress(source, store, CompressOptions(chunk_samples=32))
+    ds = dctchop.open(store)
+    assert ds.lossy_names == ("boxes", "images")
+    assert ds.main.name == "images" and ds.shape == (200, 32, 32, 3)
+    x, y = next(iter(dctchop.Loader(store, batch_size=8, shuffle=False)))
+    assert x.shape == (8, 3, 32, 32) and y.tolist() == list(range(8))
+    assert dctchop.open(store, main="boxes").shape == (200, 4)  # main= still overrides
+    assert dctchop.Loader(store, batch_size=8, arrays=["boxes"]).dataset.main.name == "boxes"
+
+
+def test_an_empty_fancy_index_gives_an_empty_result(image_store, decoded):
+    ds = dctchop.open(image_store)
+    for key in ([], np.array([], dtype=np.int64), np.zeros(N_IMAGES, dtype=bool)):
+        got = ds[key]
+        assert got.shape == decoded[key].shape == (0, 32, 32, 3) and got.dtype == np.uint8
+        assert ds["labels"][key].shape == (0,) and ds["index"][key].dtype == ds["index"].dtype
+    assert ds[[], 0].shape == decoded[[], 0].shape == (0, 32, 3)
+    assert ds["images"][[]].shape == (0, 32, 32, 3)
+
+
+def test_names_may_start_with_a_slash_as_in_hdf5(tmp_path):
+    """``dctchop compress --dataset /train/images`` stores train/images; the slashed name finds it too."""
+    with h5py.File(ROOT / "sample_data/images.h5") as f:
+        images = f["images"][:100]
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["test/images"], f["test/index"] = images[:30], np.arange(30)
+        f["train/images"], f["train/index"] = images[30:], np.arange(70)
+    store = tmp_path / "split.zarr"
+    compress(open_source(str(tmp_path / "in.h5")), store, CompressOptions(chunk_samples=16))
+    ds = dctchop.open(store, main="/train/images")
+    assert ds.main.name == "train/images" and len(ds) == 70
+    assert "/train/index" in ds and ds["/train/index"].name == "train/index"
+    loader = dctchop.Loader(store, batch_size=16, arrays=["/train/images", "/train/index"], shuffle=False)
+    assert loader.names == ["train/images", "train/index"] and len(loader) == 5
+    assert np.concatenate([index for _, index in loader]).tolist() == list(range(70))
+    with pytest.raises(DctchopError, match="no array '/train/nope'"):
+        ds["/train/nope"]
+
+
 def test_import_dctchop_stays_cheap():
     code = "import sys, dctchop; print(sorted(m for m in ('torch', 'zarr', 'numba') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -166,11 +235,13 @@ def test_import_dctchop_stays_cheap():
 # ---------------------------------------------------------------------------------------------- order
 
 
-@pytest.mark.parametrize("n, chunk, window, parts", [(600, 64, 4, 1), (600, 64, 2, 3), (37, 10, 1, 4), (5, 8, 3, 7)])
-def test_epoch_order_covers_each_sample_once_in_disjoint_shares(n, chunk, window, parts):
-    shares = [epoch_order(n, chunk, seed=3, epoch=1, window=window, part=p, parts=parts) for p in range(parts)]
+@pytest.mark.parametrize("n, chunk, window, world_size", [(600, 64, 4, 1), (600, 64, 2, 3), (40, 10, 1, 4),
+                                                         (7, 8, 3, 7)])
+def test_epoch_order_covers_each_sample_once_in_disjoint_shares(n, chunk, window, world_size):
+    shares = [epoch_order(n, chunk, seed=3, epoch=1, window=window, rank=r, world_size=world_size)
+              for r in range(world_size)]
     assert sorted(np.concatenate(shares).tolist()) == list(range(n))
-    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert {len(share) for share in shares} == {n // world_size}
     for share in shares:
         # chunk-aware: the samples of each window of `window` chunks come out together
         chunks = share // chunk
@@ -179,6 +250,40 @@ def test_epoch_order_covers_each_sample_once_in_disjoint_shares(n, chunk, window
             members = set(first_seen[w : w + window])
             where = np.flatnonzero(np.isin(chunks, list(members)))
             assert where.size == 0 or where[-1] - where[0] + 1 == where.size
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_epoch_order_gives_every_rank_a_share_of_the_same_size(shuffle, drop_last):
+    """Like DistributedSampler: equal shares, so that every rank runs the same number of steps. drop_last
+    leaves out the last n % world_size samples of the order; otherwise each short share repeats one sample
+    of its own (so it decodes no chunk more). The workers of a rank split its share between them."""
+    sizes = itertools.product([1, 5, 10, 37, 600, 1280], [1, 4, 64, 98], [1, 2, 3, 7, 13])
+    for n, chunk, world_size in sizes:
+        kw = {"shuffle": shuffle, "seed": 3, "epoch": 1, "window": 2, "world_size": world_size,
+              "drop_last": drop_last}
+        shares = [epoch_order(n, chunk, rank=r, **kw) for r in range(world_size)]
+        size = share_size(n, world_size, drop_last)
+        assert size == (n // world_size if drop_last else math.ceil(n / world_size))
+        assert [len(share) for share in shares] == [size] * world_size, (n, chunk, world_size)
+        values, counts = np.unique(np.concatenate(shares), return_counts=True)
+        if drop_last:
+            assert counts.max(initial=1) == 1 and values.size == n - n % world_size
+            if not shuffle:
+                assert values.tolist() == list(range(n - n % world_size))
+        else:
+            assert values.tolist() == list(range(n)) and counts.sum() - n == size * world_size - n
+            if n >= world_size:  # a repeated sample repeats within its own share: a chunk it decodes anyway
+                assert sum(size - np.unique(share).size for share in shares) == size * world_size - n
+        if n % world_size == 0:
+            assert counts.max(initial=1) == 1 and values.tolist() == list(range(n))
+        for num_workers in (2, 3):
+            for r, share in enumerate(shares):
+                parts = [epoch_order(n, chunk, rank=r, worker=w, num_workers=num_workers, **kw)
+                         for w in range(num_workers)]
+                assert [len(p) for p in parts] == [size * (w + 1) // num_workers - size * w // num_workers
+                                                   for w in range(num_workers)]
+                assert sorted(np.concatenate(parts).tolist()) == sorted(share.tolist())
 
 
 def test_epoch_order_is_seeded_by_seed_and_epoch():
@@ -321,6 +426,62 @@ def test_ranks_take_disjoint_shares_that_cover_the_data(image_store):
     assert sorted(np.concatenate(shares).tolist()) == list(range(N_IMAGES))
 
 
+@pytest.mark.parametrize("n, chunk, cases", [
+    # (world_size, batch_size, drop_last): the tester's 10 samples in 3 ranks got [0, 0, 1] batches
+    (10, 4, [(3, 4, True), (3, 4, False), (3, 3, True), (4, 1, False), (7, 2, False), (13, 1, False),
+             (13, 1, True)]),
+    # the bundled sample's 1280 images in 13 ranks of 98 got 1 or 2 batches per rank
+    (1280, 128, [(13, 98, True), (13, 98, False), (3, 100, True), (3, 100, False), (6, 64, False),
+                 (7, 50, True), (8, 160, False)]),
+])
+def test_every_rank_yields_the_same_number_of_batches(index_store, n, chunk, cases):
+    """A rank with a batch fewer would leave the others waiting at a collective op: DDP hangs."""
+    store = index_store(n, chunk)
+    for (world_size, batch_size, drop_last), shuffle in itertools.product(cases, (True, False)):
+        kw = {"shuffle": shuffle, "seed": 2, "drop_last": drop_last, "arrays": ["index"],
+              "world_size": world_size}
+        counts, seen = [], []
+        for rank in range(world_size):
+            loader = dctchop.Loader(store, batch_size, rank=rank, **kw)
+            batches = list(loader)
+            assert len(batches) == len(loader)
+            assert all(len(b) == batch_size for b in (batches if drop_last else batches[:-1]))
+            seen += [i for b in batches for i in b.tolist()]
+            # DataLoader workers split the rank's share: every sample of it once (their counts may differ)
+            workers = [dctchop.Loader(store, batch_size, rank=rank, worker=w, num_workers=2, **kw)
+                       for w in range(2)]
+            in_workers = np.concatenate([w.indices() for w in workers])
+            assert sorted(in_workers.tolist()) == sorted(loader.indices().tolist())
+            counts.append((len(batches), sum(len(w) for w in workers)))
+        assert len(set(counts)) == 1, (world_size, batch_size, drop_last, counts)
+        size = share_size(n, world_size, drop_last)
+        if not drop_last:
+            assert set(seen) == set(range(n)) and len(seen) == size * world_size
+        elif batch_size == 1:
+            assert len(set(seen)) == len(seen) == size * world_size
+
+
+def test_padded_shares_decode_each_chunk_once(image_store, monkeypatch):
+    """600 samples in 7 ranks: shares of 85 and 86, the short ones repeat one of their own samples, from a
+    chunk they decode anyway."""
+    from dctchop.dataset import _LossyArray
+
+    calls = []
+    original = _LossyArray.decode
+    monkeypatch.setattr(_LossyArray, "decode",
+                        lambda self, c, **kw: calls.append(c) or original(self, c, **kw))
+    repeated = 0
+    for rank in range(7):
+        calls.clear()
+        loader = dctchop.Loader(image_store, batch_size=20, seed=1, window=2, threads=2, rank=rank,
+                                world_size=7, arrays=["images", "index"])
+        index = np.concatenate([i for _, i in loader])
+        assert len(index) == loader.n_samples == 86 and len(loader) == 5
+        assert sorted(calls) == sorted(set(calls)) == sorted(set((index // CHUNK).tolist()))
+        repeated += index.size - np.unique(index).size
+    assert repeated == 7 * 86 - N_IMAGES
+
+
 @needs_torch
 def test_dtype_layout_and_normalisation(image_store, decoded):
     mean, std = [120.0, 110.0, 100.0], [60.0, 55.0, 50.0]
@@ -401,6 +562,41 @@ def test_clear_errors(image_store, kwargs, message):
 def test_a_device_that_does_not_exist(image_store, device, message):
     with pytest.raises(DctchopError, match=message):
         dctchop.Loader(image_store, batch_size=4, device=device)
+
+
+@pytest.fixture(scope="module")
+def record_store(tmp_path_factory):
+    """Images with byte-string names and compound records copied losslessly beside them."""
+    d = tmp_path_factory.mktemp("records")
+    with h5py.File(d / "in.h5", "w") as f:
+        f["images"] = np.random.default_rng(0).integers(0, 256, (40, 16, 16), dtype=np.uint8)
+        f["names"] = np.array([b"id%05d" % i for i in range(40)], dtype="S8")
+        f["records"] = np.array([(i, i / 2) for i in range(40)], dtype=[("id", "<i4"), ("weight", "<f4")])
+    compress(open_source(str(d / "in.h5")), d / "records.zarr", CompressOptions(chunk_samples=16))
+    return d / "records.zarr"
+
+
+@pytest.mark.filterwarnings("ignore:The data type .* does not have a Zarr V3 specification")
+def test_records_and_byte_strings_load_as_numpy(record_store):
+    loader = dctchop.Loader(record_store, batch_size=40, shuffle=False, arrays=["images", "names", "records"])
+    _, names, records = next(iter(loader))
+    assert names[3] == b"id00003" and records["id"].tolist() == list(range(40))
+    np.testing.assert_array_equal(records["weight"], np.arange(40) / 2)
+
+
+@pytest.mark.filterwarnings("ignore:The data type .* does not have a Zarr V3 specification")
+@needs_torch
+@pytest.mark.parametrize("name, dtype", [("names", "|S8"), ("records", "[('id', '<i4'), ('weight', '<f4')]")])
+def test_torch_output_refuses_arrays_torch_cannot_hold(record_store, name, dtype):
+    """Refused when the loader is made, naming the array and the ways out, not by torch mid-epoch."""
+    message = (rf"array {name} holds {re.escape(dtype)} values, which torch tensors cannot hold; pass "
+               r"arrays=\['images'\] to leave it out, or output='numpy'")
+    with pytest.raises(DctchopError, match=message):
+        dctchop.Loader(record_store, batch_size=8, arrays=["images", name], output="torch")
+    with pytest.raises(DctchopError, match=f"array {name} holds"):
+        dctchop.TorchDataset(record_store, batch_size=8, arrays=["images", name])
+    x = next(iter(dctchop.Loader(record_store, batch_size=8, arrays=["images"], output="torch")))
+    assert isinstance(x, torch.Tensor) and x.shape == (8, 16, 16)
 
 
 def test_torch_asked_for_but_not_installed(image_store, monkeypatch):
