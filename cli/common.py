@@ -1,6 +1,10 @@
-"""What every dctchop command shares: click settings, the PSNR definition, number formatting."""
+"""What every dctchop command shares: click settings, the PSNR definition, formatting, option checks."""
 
 from __future__ import annotations
+
+import click
+
+from dctchop.errors import DctchopError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 PSNR_HELP = ("PSNR = 20 log10(peak) - 10 log10(MSE); peak = the dtype's range for integer data (255 for uint8), "
@@ -15,3 +19,38 @@ def fmt_db(v: float | str) -> str:
     """A PSNR for people: 'inf' for an exact reconstruction (also when stored as the string "inf")."""
     v = float(v)
     return "inf" if v == float("inf") else f"{v:.2f}"
+
+
+def int_list(text: str | None, option: str) -> tuple[int, ...] | None:
+    """``"4,2"`` -> (4, 2); a malformed or empty value is a usage error (exit 2), as click's own types."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected an integer or comma-separated integers, got {text!r}",
+                                 param_hint=option) from None
+    if not values:
+        raise click.BadParameter("empty value", param_hint=option)
+    return values
+
+
+def check_axes(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Option callback for --axes: malformed text is a usage error like a malformed --keep; whether the axes
+    exist depends on the array, so that is checked later (a user error)."""
+    int_list(value, param.opts[0])
+    return value
+
+
+def check_target_ratio(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """Option callback: a ratio target takes what compress's --ratio takes (:class:`dctchop.store.Target`)."""
+    if value is not None and not value >= 1:  # NaN too
+        raise DctchopError(f"{param.opts[0]} must be at least 1, got {value:g}")
+    return value
+
+
+def check_target_psnr(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """Option callback: a PSNR target takes what compress's --psnr takes (:class:`dctchop.store.Target`)."""
+    if value is not None and not 0 < value < 400:
+        raise DctchopError(f"{param.opts[0]} must be a number of dB between 0 and 400, got {value:g}")
+    return value

@@ -1,7 +1,8 @@
 """The ``dctchop`` command line: parse, call the library, report. No logic lives here that the library lacks.
 
 Exit codes: 0 success; 1 a problem with the input, output or settings (one-line message); 2 a usage error
-(bad option); 3 an internal error (one line; ``--debug`` shows the traceback); 130 interrupted.
+(bad option); 3 an internal error (one line; ``--debug`` shows the traceback); 130 interrupted (Ctrl-C);
+128 + N killed by signal N that can be caught (143 SIGTERM, 129 SIGHUP), after the same clean-up as Ctrl-C.
 """
 
 from __future__ import annotations
@@ -11,28 +12,55 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import traceback
 
 import click
 
 from dctchop._version import __version__
-from dctchop.cli.common import CONTEXT, PSNR_HELP, fmt_db, fmt_mb
+from dctchop.cli.common import CONTEXT, PSNR_HELP, check_axes, fmt_db, fmt_mb, int_list
 from dctchop.cli.pictures import preview, sweep
 from dctchop.errors import DctchopError
 
 EXIT_USER, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 3, 130
-def _int_list(text: str | None, option: str) -> tuple[int, ...] | None:
-    if text is None:
-        return None
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived (``timeout``, SLURM, ``kill``, a closed terminal). Raised in the main thread
+    like KeyboardInterrupt, so every clean-up that runs on any exception (the temporary store, the temporary
+    file of decompress) runs; a BaseException, so no ``except Exception`` takes it for an error."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminate(signum: int, frame) -> None:
+    for s in TERMINATING_SIGNALS:  # a second signal must not cut the clean-up short
+        signal.signal(s, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """While the command runs, SIGTERM and SIGHUP raise :class:`Terminated` (main thread only: Python
+    delivers signals there, and only there may handlers be set). A signal already ignored stays ignored:
+    ``nohup dctchop ...`` must survive the hang-up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in TERMINATING_SIGNALS}
+    for s, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, _terminate)
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected an integer or comma-separated integers, got {text!r}",
-                                 param_hint=option) from None
-    if not values:
-        raise click.BadParameter("empty value", param_hint=option)
-    return values
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 class _Progress:
@@ -78,10 +106,13 @@ cli.add_command(sweep)
 @click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=True))
 @click.argument("output", type=click.Path())
 @click.option("--dataset", "datasets", multiple=True, metavar="PATH",
-              help="HDF5 dataset to compress lossily (repeatable). Default: every numeric dataset with ndim >= 2.")
+              help="HDF5 dataset to compress lossily (repeatable); others that would be are left out, 1-D "
+                   "ones are still copied. Default: every numeric dataset with ndim >= 2, but per-sample "
+                   "tables (N, F) beside N images.")
 @click.option("--lossless", multiple=True, metavar="PATH", help="HDF5 dataset to copy losslessly (repeatable).")
 @click.option("--follow-external", is_flag=True, help="Follow HDF5 external links and virtual datasets.")
-@click.option("--axes", metavar="A,B[,C]", help="Axes to transform (default: inferred from the layout).")
+@click.option("--axes", metavar="A,B[,C]", callback=check_axes,
+              help="Axes to transform (default: inferred from the layout).")
 @click.option("--keep", metavar="K[,K..]", help="Chop: keep the first K DCT coefficients per axis of each block.")
 @click.option("--ratio", type=float, help="Reach this compression ratio (within 5%) with the best PSNR.")
 @click.option("--psnr", type=float, help="Every chunk at least this PSNR (dB), fewest bytes.")
@@ -122,13 +153,13 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
     target = None
     if targets:
         kind, value = targets[0]
-        target = Target(kind, _int_list(value, "--keep") if kind == "keep" else value)
+        target = Target(kind, int_list(value, "--keep") if kind == "keep" else value)
     zstd_level = ZSTD_LEVEL if zstd_level is None else zstd_level
     source = open_source(input_path, datasets=datasets, lossless=lossless, follow_external=follow_external)
     plans = []
     for array in source.lossy:
-        array_axes = parse_axes(axes, len(array.shape)) if axes else None
-        options = CompressOptions(target=target, axes=array_axes, block=_int_list(block, "--block"), mask=mask,
+        array_axes = parse_axes(axes, len(array.shape)) if axes is not None else None
+        options = CompressOptions(target=target, axes=array_axes, block=int_list(block, "--block"), mask=mask,
                                   precision=precision, chunk_samples=chunk_samples, workers=workers,
                                   zstd_level=zstd_level)
         plans.append(plan_array(source, array, options))
@@ -144,7 +175,7 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
     if as_json:
         from dctchop.store import json_safe
 
-        click.echo(json.dumps(json_safe(summary), indent=2))
+        click.echo(json.dumps(json_safe({**summary, "left_out": list(source.left_out)}), indent=2))
     elif not quiet:
         for name, a in summary["arrays"].items():
             click.echo(f"{name}: {a['shape']} {a['dtype']}, layout {a['layout']}, transformed axes {a['axes']}, "
@@ -152,6 +183,8 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
             click.echo(f"  {fmt_mb(a['original_bytes'])} -> {fmt_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}, "
                        f"PSNR {fmt_db(a['psnr'])} dB (chunks min {fmt_db(a['psnr_min'])}, mean {fmt_db(a['psnr_mean'])}), "
                        f"max abs error {a['max_abs_error']:.4g}")
+        if source.left_out:
+            click.echo(f"left out (--dataset names the datasets to compress): {', '.join(source.left_out)}")
         t = summary["totals"]
         click.echo(f"done in {t['seconds']:.2f} s, {t['mb_per_s']:.1f} MB/s -> {output}")
 
@@ -227,7 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the group, turning errors into one line on stderr and a documented exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        cli.main(args=argv, prog_name="dctchop", standalone_mode=False)
+        with _signals_raise():
+            cli.main(args=argv, prog_name="dctchop", standalone_mode=False)
+    except Terminated as e:
+        click.echo(f"dctchop: interrupted by {e}", err=True)
+        sys.exit(128 + e.signum)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:

@@ -10,7 +10,7 @@ import json
 
 import click
 
-from dctchop.cli.common import CONTEXT, PSNR_HELP, fmt_db
+from dctchop.cli.common import CONTEXT, PSNR_HELP, check_axes, check_target_psnr, check_target_ratio, fmt_db
 from dctchop.errors import DctchopError
 
 
@@ -43,13 +43,15 @@ def preview(store, out, source, indices, array):
 @click.command(context_settings=CONTEXT, epilog=PSNR_HELP)
 @click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
 @click.option("--dataset", metavar="PATH", help="HDF5 dataset to sweep (default: the first lossy one).")
-@click.option("--axes", metavar="A,B[,C]", help="Axes to transform (default: inferred from the layout).")
+@click.option("--axes", metavar="A,B[,C]", callback=check_axes,
+              help="Axes to transform (default: inferred from the layout).")
 @click.option("--sample", type=int, metavar="N",
               help="Samples to compress: evenly spaced along axis 0, or N contiguous planes when axis 0 is "
                    "transformed. Default 256 (at most 32 MB), all when fewer.")
-@click.option("--target-ratio", type=float, metavar="R",
+@click.option("--target-ratio", type=float, metavar="R", callback=check_target_ratio,
               help="Recommend the best-PSNR setting with ratio >= R (within 5%).")
-@click.option("--target-psnr", type=float, metavar="DB", help="Recommend the highest-ratio setting with PSNR >= DB.")
+@click.option("--target-psnr", type=float, metavar="DB", callback=check_target_psnr,
+              help="Recommend the highest-ratio setting with PSNR >= DB.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), metavar="PNG",
               help="Draw the rate-distortion curve into this PNG (1024x768 px; needs the plot extra).")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")

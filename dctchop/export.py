@@ -12,7 +12,7 @@ import numpy as np
 
 from dctchop.errors import DctchopError
 from dctchop.inspect import open_store, require_intact
-from dctchop.location import is_url
+from dctchop.location import Location
 from dctchop.store import META_GROUP, _chunk_ranges
 
 
@@ -40,8 +40,11 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
         raise DctchopError(f"store holds {len(names)} arrays ({', '.join(names)}); write .h5 to keep them all")
     if not output.parent.resolve().is_dir():
         raise DctchopError(f"output directory {output.parent} does not exist")
-    if not is_url(store) and Path(store).resolve() in output.resolve().parents:
-        raise DctchopError(f"output {output} must not be inside the store {store}")
+    local = Location(store).local_path  # a file:// URL names the same files as its path
+    if local is not None and local.resolve() in (output.resolve(), *output.resolve().parents):
+        raise DctchopError(f"output {output} must not be the store {store} or inside it")
+    if output.is_dir():
+        raise DctchopError(f"output {output} is a directory; name a .npy or .h5 file")
     if output.exists() and not overwrite:
         raise DctchopError(f"output {output} exists; pass --overwrite to replace it")
     tmp = output.with_name(f".{output.name}.dctchop-tmp-{os.getpid()}")

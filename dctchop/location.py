@@ -65,6 +65,17 @@ class Location:
         return Path(self.target)
 
     @property
+    def local_path(self) -> Path | None:
+        """The local path this location names, URL or not (``file:///x`` is ``/x``); None for a remote one.
+        Checks that protect local files (is the output the input?) compare this, never the target text."""
+        if not self.is_url:
+            return self.path
+        fs, root = self._fs  # first: it says so when fsspec is missing
+        from fsspec.implementations.local import LocalFileSystem
+
+        return Path(root) if isinstance(fs, LocalFileSystem) else None
+
+    @property
     def name(self) -> str:
         return self.target.rstrip("/").rsplit("/", 1)[-1]
 

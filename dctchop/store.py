@@ -336,12 +336,15 @@ def _process_alive(pid: int) -> bool:
 
 
 def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
-    if not output.is_url:
-        out = output.path.resolve()
+    """Refuse an output that would replace or hold the input, or something that is not a store. A local
+    URL (``file://``) names the same files as a path, so it is checked as that path."""
+    local = output.local_path
+    if local is not None:
+        out = local.resolve()
         src = Path(source_path).resolve()
         if out == src or src in out.parents or out in src.parents:
             raise DctchopError(f"output {output} must not be the input, inside it, or contain it")
-        if not out.parent.is_dir():
+        if not output.is_url and not out.parent.is_dir():  # a file:// URL makes its parents, as object stores
             raise DctchopError(f"output directory {output.path.parent} does not exist")
     if output.exists() and not overwrite:
         raise DctchopError(f"output {output} exists; pass --overwrite to replace it")

@@ -14,13 +14,20 @@ the file and, where there is one, the dataset.
 HDF5 selection rules (see :func:`open_source`):
 
 * Default: every dataset in the file is accounted for. Numeric (unsigned/signed integer, float) datasets
-  with ``ndim >= 2`` are lossy; numeric datasets with ``ndim <= 1``, enums, bool, complex, fixed-width
-  strings and compound/opaque types that h5py reads as a fixed-width numpy dtype are lossless (copied
-  bit-exactly); datasets named in ``lossless`` are lossless whatever their shape. A dataset h5py can only
+  with ``ndim >= 2`` are lossy, except empty ones and per-sample tables; numeric datasets with
+  ``ndim <= 1``, empty ones, enums, bool, complex, fixed-width strings and compound/opaque types that h5py
+  reads as a fixed-width numpy dtype are lossless (copied bit-exactly); datasets named in ``lossless`` are
+  lossless whatever their shape. A per-sample table is a 2-D numeric (N, F) dataset in a file where an
+  image or field stack (3 or more dimensions) has N samples too, or where F < 8 and another dataset has N
+  entries: boxes, one-hot labels, features, which a DCT across samples would mix. A dataset h5py can only
   read as an object array (variable-length strings or sequences, references) or with a null dataspace
-  cannot be copied bit-exactly and is refused, naming it; select what to keep explicitly to skip it.
-* Explicit: when ``datasets`` is given, the source holds exactly the named lossy datasets plus the named
-  ``lossless`` ones, nothing else. Only numeric (u/i/f, non-enum) dtypes may be named lossy.
+  cannot be copied bit-exactly, and a dataset or group named like a file of the store (``zarr.json``,
+  ``dctchop_meta`` at the root) cannot be stored: both are refused, naming them; name the lossy datasets
+  to leave them out. A root attribute named ``dctchop`` (the store's own record) is refused.
+* Named: when ``datasets`` is given, the named datasets are the lossy ones (only numeric, non-enum,
+  non-empty dtypes may be named). The datasets that are lossless by default are still copied; the other
+  datasets (numeric ones with ``ndim >= 2`` not named, and those that cannot be stored) are left out and
+  listed in :attr:`Source.left_out`.
 """
 
 from __future__ import annotations
@@ -130,6 +137,9 @@ class Source:
         HDF5 group path -> JSON-serialisable attrs, root ``"/"`` included; ``{}`` for ``.npy``.
     follow_external : bool
         Opened with ``follow_external``: a store made from it says so, and checks against it follow links too.
+    left_out : tuple of str
+        HDF5 datasets and groups of the file that are in neither ``lossy`` nor ``lossless`` (only when
+        datasets were named), so that a caller can say what the store will lack.
     """
 
     path: str
@@ -138,6 +148,7 @@ class Source:
     lossless: tuple[SourceArray, ...]
     groups: dict[str, dict] = field(default_factory=dict)
     follow_external: bool = False
+    left_out: tuple[str, ...] = ()
 
     def __hash__(self) -> int:  # groups is a dict: hash the identifying fields only
         return hash((self.path, self.kind, self.lossy, self.lossless))
@@ -162,7 +173,8 @@ def open_source(
         An ``.npy``, ``.h5`` or ``.hdf5`` file (suffix compared case-insensitively).
     datasets : sequence of str
         The datasets to compress lossily (leading ``"/"`` optional). Empty: every numeric dataset with
-        ``ndim >= 2`` (see the module docstring). Given: the source holds only these plus ``lossless``.
+        ``ndim >= 2`` but per-sample tables (see the module docstring). Given: only these are lossy; the
+        datasets lossless by default are still copied, the rest is left out (:attr:`Source.left_out`).
         An ``.npy`` file holds one array named after the file stem: naming it is allowed (and changes
         nothing), naming anything else is an error.
     lossless : sequence of str

@@ -37,6 +37,10 @@ from dctchop.formats import (
 __all__ = ["open_hdf5", "read_hdf5"]
 
 _MAX_LISTED = 20  # datasets listed in a "no such dataset" message
+DCT_BLOCK = 8  # the default block: a per-sample table narrower than this has no image in it
+META_GROUP = "dctchop_meta"  # dctchop.store.META_GROUP (the store imports this package, not the reverse)
+STORE_ATTR = "dctchop"  # the root attribute a store keeps its own record under
+_LEAVE_OUT = "name the datasets to compress with datasets= (--dataset) to leave it out"
 _MAX_LINK_DEPTH = 40  # soft links followed while resolving one name
 # what h5py raises for damaged files, unsupported types and unresolvable links
 _H5_ERRORS = (OSError, KeyError, RuntimeError, ValueError, TypeError)
@@ -143,17 +147,54 @@ def _lossy_refusal(ds) -> str | None:
     reason = _unsupported(ds)
     if reason:
         return reason
-    _shape, dtype = _effective(ds)
+    shape, dtype = _effective(ds)
     if _h5py().check_enum_dtype(ds.dtype) is not None:
         return f"has dtype {_describe(ds.dtype)}: enum labels cannot be compressed lossily"
     if dtype.kind not in "uif":
         return f"has dtype {_describe(dtype)}: only integer and float data can be compressed lossily"
+    if 0 in shape:
+        return f"is empty (shape {list(shape)}): there is nothing to compress; copy it with --lossless"
     return None
 
 
-def _is_default_lossy(ds) -> bool:
+class _Samples:
+    """The first-axis lengths of a file's datasets, to tell per-sample tables from images."""
+
+    def __init__(self, datasets) -> None:
+        shapes = [_effective(ds)[0] for _, ds in datasets if ds.shape is not None]
+        self.stacks = {s[0] for s in shapes if len(s) >= 3}  # image or field stacks: N samples
+        self.lengths = [s[0] for s in shapes if s]
+
+    def per_sample(self, shape: tuple[int, ...]) -> bool:
+        """Whether a 2-D dataset (N, F) holds F values per sample (boxes, one-hot labels, features) rather
+        than one image or field: an image or field stack in the file has N samples too, or F is narrower
+        than a DCT block and another dataset has N entries (labels). A DCT across samples would mix
+        unrelated samples, so such a table is copied bit-exactly, like 1-D labels."""
+        n, f = shape
+        return n in self.stacks or (f < DCT_BLOCK and self.lengths.count(n) > 1)
+
+
+def _is_default_lossy(ds, samples: _Samples) -> bool:
+    """Numeric, 2 or more dimensions, not empty (an empty array costs nothing to copy), and not a per-sample
+    table."""
     shape, dtype = _effective(ds)
-    return dtype.kind in "uif" and len(shape) >= 2 and _h5py().check_enum_dtype(ds.dtype) is None
+    if dtype.kind not in "uif" or len(shape) < 2 or _h5py().check_enum_dtype(ds.dtype) is not None:
+        return False
+    return 0 not in shape and not (len(shape) == 2 and samples.per_sample(shape))
+
+
+def _store_name_problem(path: str) -> str | None:
+    """Why a store cannot hold a dataset or group at ``path``: Zarr keeps each group's metadata in a file
+    named zarr.json beside its children, dctchop its per-chunk metadata in the root group dctchop_meta
+    (``dctchop.store.META_GROUP``), and '.' or '..' name no Zarr node."""
+    parts = [p for p in path.split("/") if p]
+    if parts and parts[0] == META_GROUP:
+        return f"would take the place of the store's metadata group {META_GROUP}"
+    if "zarr.json" in parts:
+        return "would take the place of a Zarr metadata file (zarr.json, in every group of the store)"
+    if "." in parts or ".." in parts:
+        return "has a name a Zarr store cannot hold ('.' or '..')"
+    return None
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -341,39 +382,54 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
     try:
         walk = _Walk(f, follow_external)
 
+        if STORE_ATTR in walk.groups["/"]:
+            raise DctchopError(f"{file}: the root group has an attribute named {STORE_ATTR!r}, the name the "
+                               "store keeps its own record under; rename or delete that attribute first")
+
         def named(path: str, lossy: bool):
             obj = _lookup(f, path, follow_external, file, walk)
             if not isinstance(obj, h5py.Dataset):
                 kind = "a group" if isinstance(obj, h5py.Group) else "not a dataset"
                 raise DctchopError(f"{file}: {path} is {kind}, not a dataset; {walk.available()}")
             reason = _lossy_refusal(obj) if lossy else _unsupported(obj)
-            reason = reason or _leaves_file(obj, file, follow_external)
+            reason = reason or _store_name_problem(path) or _leaves_file(obj, file, follow_external)
             if reason:
                 raise DctchopError(f"{file}: dataset {path} {reason}")
             return obj
 
         forced = [(n, named(n, lossy=False)) for n in lossless_names]
-        if lossy_names:
-            lossy = [_source_array(file, n, named(n, lossy=True)) for n in lossy_names]
-            kept = [_source_array(file, n, ds) for n, ds in forced]
-        else:
-            if walk.problems:
-                path, reason = walk.problems[0]
-                raise DctchopError(f"{file}: {path} {reason}")
-            forced_ids = {ds.id for _, ds in forced}
-            lossy, kept = [], []
-            for path, ds in walk.datasets:
-                if ds.id in forced_ids:
-                    continue
-                reason = _unsupported(ds) or _leaves_file(ds, file, follow_external)
-                if reason:
-                    raise DctchopError(
-                        f"{file}: dataset {path} {reason}; name the datasets to keep with datasets=/lossless= "
-                        "(--dataset/--lossless) to leave it out"
-                    )
-                (lossy if _is_default_lossy(ds) else kept).append(_source_array(file, path, ds))
-            kept += [_source_array(file, n, ds) for n, ds in forced]
-        groups = walk.groups
+        chosen = [(n, named(n, lossy=True)) for n in lossy_names]
+        # named with --dataset: the named ones are the lossy ones; what cannot be stored is left out
+        left_out = [path for path, _ in walk.problems] if chosen else []
+        if walk.problems and not chosen:
+            path, reason = walk.problems[0]
+            raise DctchopError(f"{file}: {path} {reason}")
+        groups = {}
+        for path, attrs in walk.groups.items():
+            reason = _store_name_problem(path)
+            if reason and not chosen:
+                raise DctchopError(f"{file}: group {path} {reason}; {_LEAVE_OUT}")
+            if reason:
+                left_out.append(path)
+            else:
+                groups[path] = attrs
+        taken = {ds.id for _, ds in forced + chosen}
+        samples = _Samples(walk.datasets)
+        lossy, kept = [], []
+        for path, ds in walk.datasets:
+            if ds.id in taken:
+                continue
+            reason = _unsupported(ds) or _store_name_problem(path) or _leaves_file(ds, file, follow_external)
+            default_lossy = not reason and _is_default_lossy(ds, samples)
+            if chosen and (reason or default_lossy):
+                left_out.append(path)
+            elif reason:
+                raise DctchopError(f"{file}: dataset {path} {reason}; {_LEAVE_OUT}")
+            else:
+                (lossy if default_lossy else kept).append(_source_array(file, path, ds))
+        if chosen:
+            lossy = [_source_array(file, n, ds) for n, ds in chosen]
+        kept += [_source_array(file, n, ds) for n, ds in forced]
     except DctchopError:
         f.close()
         raise
@@ -382,7 +438,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         raise DctchopError(f"{file}: cannot read HDF5 structure ({_one_line(exc)})") from None
     f.close()
     return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups,
-                  follow_external=follow_external)
+                  follow_external=follow_external, left_out=tuple(sorted(left_out)))
 
 
 class _Handle:

@@ -401,8 +401,14 @@ def test_hdf5_attrs_converted(tmp_path):
 def test_hdf5_explicit_datasets(h5file):
     src = open_source(h5file, datasets=["images", "/group//x/"], lossless=["labels"])
     assert names(src.lossy) == ["/images", "/group/x"]
-    assert names(src.lossless) == ["/labels"]
+    # the datasets lossless by default are still copied, each once (labels is also named --lossless)
+    assert sorted(names(src.lossless)) == ["/cplx", "/flags", "/kind", "/labels", "/names", "/rec", "/scalar"]
     assert set(src.groups) == {"/", "/group", "/group/empty"}
+    assert src.left_out == ()
+    # a dataset that would be lossy but is not named is left out, and listed
+    src = open_source(h5file, datasets=["images"])
+    assert names(src.lossy) == ["/images"] and src.left_out == ("/group/x",)
+    assert "/labels" in names(src.lossless)
     # duplicates collapse
     assert names(open_source(h5file, datasets=["images", "/images"]).lossy) == ["/images"]
 
@@ -432,7 +438,7 @@ def test_hdf5_non_numeric_refused_as_lossy(h5file, name, what):
         open_source(h5file, datasets=[name])
     assert f"/{name}" in str(info.value)
     # ...but each copies losslessly when asked to
-    assert names(open_source(h5file, datasets=["images"], lossless=[name]).lossless) == [f"/{name}"]
+    assert names(open_source(h5file, datasets=["images"], lossless=[name]).lossless).count(f"/{name}") == 1
 
 
 def test_hdf5_lossless_override(h5file):
@@ -452,9 +458,86 @@ def test_hdf5_variable_length_refused(tmp_path):
         open_source(path)
     with pytest.raises(DctchopError, match="variable-length"):
         open_source(path, datasets=["x"], lossless=["names"])
-    # explicit selection leaves it out
+    # explicit selection leaves it out, and says so
     src = open_source(path, datasets=["x"])
-    assert names(src.lossy) == ["/x"] and src.lossless == ()
+    assert names(src.lossy) == ["/x"] and src.lossless == () and src.left_out == ("/names",)
+
+
+def test_hdf5_per_sample_tables_are_copied_bit_exactly(tmp_path):
+    # boxes and one-hot labels beside images were compressed as one "HW" image across samples
+    rng = np.random.default_rng(0)
+    path = tmp_path / "bbox.h5"
+    with h5py.File(path, "w") as f:
+        f["images"] = (rng.random((200, 32, 32, 3)) * 255).astype(np.uint8)
+        f["boxes"] = (rng.random((200, 4)) * 32).astype(np.float32)
+        f["onehot"] = np.eye(10, dtype=np.float32)[rng.integers(0, 10, 200)]
+        f["labels"] = rng.integers(0, 5, 200)
+        f["mean_image"] = rng.random((32, 32)).astype(np.float32)  # not 200 of anything: an image
+    src = open_source(path)
+    assert names(src.lossy) == ["/images", "/mean_image"]
+    assert sorted(names(src.lossless)) == ["/boxes", "/labels", "/onehot"]
+    # named, a table is compressed lossily as asked
+    assert names(open_source(path, datasets=["images", "boxes"]).lossy) == ["/images", "/boxes"]
+
+
+def test_hdf5_narrow_table_beside_labels_is_per_sample_but_a_lone_field_is_not(tmp_path):
+    path = tmp_path / "tables.h5"
+    with h5py.File(path, "w") as f:
+        f["points"] = np.random.default_rng(1).random((500, 3)).astype(np.float32)  # xyz of each sample
+        f["labels"] = np.arange(500) % 4
+        f["field"] = np.ones((64, 64), np.float32)  # a 2-D field with its coordinates
+        f["x"] = np.arange(64.0)
+    src = open_source(path)
+    assert names(src.lossy) == ["/field"]
+    assert sorted(names(src.lossless)) == ["/labels", "/points", "/x"]
+
+
+def test_hdf5_empty_dataset_is_copied_not_compressed(tmp_path):
+    path = tmp_path / "empty.h5"
+    with h5py.File(path, "w") as f:
+        f["images"] = np.ones((4, 8, 8), np.uint8)
+        f.create_dataset("emptyds", shape=(0, 8, 8), dtype="f4")
+    src = open_source(path)
+    assert names(src.lossy) == ["/images"] and names(src.lossless) == ["/emptyds"]
+    with pytest.raises(DctchopError, match=r"/emptyds is empty \(shape \[0, 8, 8\]\).*--lossless"):
+        open_source(path, datasets=["emptyds"])
+
+
+@pytest.mark.parametrize("bad", ["zarr.json", "g/zarr.json", "zarr.json/x", "dctchop_meta", "dctchop_meta/x"])
+def test_hdf5_names_the_store_keeps_for_itself(tmp_path, bad):
+    # a dataset named zarr.json failed compress with "File exists"
+    path = tmp_path / "names.h5"
+    with h5py.File(path, "w") as f:
+        f["images"] = np.ones((4, 8, 8), np.uint8)
+        f[bad] = np.arange(4)
+    what = "group" if bad.endswith("/x") else "dataset"
+    top = "/" + bad.split("/x")[0]
+    with pytest.raises(DctchopError, match=f"{what} {top} would take the place of .*--dataset") as info:
+        open_source(path)
+    assert "zarr.json" in str(info.value) or "metadata group dctchop_meta" in str(info.value)
+    src = open_source(path, datasets=["images"])  # naming the datasets leaves it out
+    assert names(src.lossy) == ["/images"] and src.lossless == ()
+    assert f"/{bad}" in src.left_out
+    with pytest.raises(DctchopError, match="would take the place of"):
+        open_source(path, datasets=["images"], lossless=[bad])
+
+
+def test_store_names_known_to_the_input_layer_are_the_stores():
+    from dctchop.formats import hdf5
+    from dctchop.store import META_GROUP
+
+    assert hdf5.META_GROUP == META_GROUP
+
+
+def test_hdf5_root_attribute_named_like_the_store_record_is_refused(tmp_path):
+    # the store's own "dctchop" attribute replaced it silently
+    path = tmp_path / "attr.h5"
+    with h5py.File(path, "w") as f:
+        f["images"] = np.ones((4, 8, 8), np.uint8)
+        f.attrs["dctchop"] = "my pipeline v2"
+        f["images"].attrs["dctchop"] = "fine on a dataset"
+    with pytest.raises(DctchopError, match="root group has an attribute named 'dctchop'.*rename"):
+        open_source(path)
 
 
 def test_hdf5_big_endian_and_zero_d(tmp_path):

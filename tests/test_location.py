@@ -8,6 +8,7 @@ operation (zarr metadata, chunk files, sizes, the final move, --overwrite, clean
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,48 @@ def test_cli_url_errors_are_one_line(tmp_path, source_h5):
             f"main(['compress', {str(source_h5)!r}, 's3://bucket/out.zarr'])\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert p.returncode == 1 and "dctchop[dask]" in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr
+
+
+def test_local_path_of_urls(tmp_path):
+    assert Location(tmp_path / "a.zarr").local_path == tmp_path / "a.zarr"
+    assert Location(f"file://{tmp_path}/a.zarr").local_path == tmp_path / "a.zarr"
+    assert Location(f"local://{tmp_path}/a.zarr").local_path == tmp_path / "a.zarr"
+    assert Location("memory://bucket/a.zarr").local_path is None
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in path.rglob("*") if f.is_file()}
+
+
+@pytest.mark.parametrize("how", ["is the input", "is the input, local://", "contains the input",
+                                 "inside the input"])
+def test_cli_file_url_output_that_is_or_holds_the_input_is_refused(tmp_path, how):
+    # a file:// URL got past the check that a plain path gets: --overwrite replaced the input by a store
+    victim = tmp_path / "victim.npy"
+    np.save(victim, np.random.default_rng(0).integers(0, 255, (20, 32, 32, 3), dtype=np.uint8))
+    before = victim.read_bytes()
+    if how.startswith("is the input"):
+        url = f"{'local' if 'local' in how else 'file'}://{victim}"
+    elif how == "contains the input":  # the input inside an existing store directory: rmtree would delete it
+        store = tmp_path / "st.zarr"
+        (store / "images").mkdir(parents=True)
+        meta = {"zarr_format": 3, "node_type": "group", "attributes": {"dctchop": {}}}  # a dctchop store
+        (store / "zarr.json").write_text(json.dumps(meta))
+        victim = store / "inner.npy"
+        np.save(victim, np.zeros((20, 8, 8), np.uint8))
+        before = victim.read_bytes()
+        url = f"file://{store}"
+    else:
+        url = f"file://{victim}/sub.zarr"
+    p = run("compress", victim, url, "--overwrite")
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "must not be the input, inside it, or contain it" in p.stderr
+    assert victim.is_file() and victim.read_bytes() == before
+    assert sorted(q.name for q in victim.parent.iterdir() if q.name.startswith(".")) == []
+
+
+def test_library_file_url_output_is_the_input_is_refused(tmp_path, source_h5):
+    before = snapshot(tmp_path)
+    with pytest.raises(DctchopError, match="must not be the input"):
+        compress(open_source(str(source_h5)), f"file://{source_h5}", CompressOptions(), overwrite=True)
+    assert snapshot(tmp_path) == before

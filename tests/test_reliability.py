@@ -717,6 +717,63 @@ def test_sigint_during_overwrite_keeps_the_old_store(tmp_path, big_npy, inputs):
     np.testing.assert_array_equal(read_store(out).shape, (64, 16, 16))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_during_compress_clean_up_like_ctrl_c(tmp_path, big_npy, sig):
+    # timeout, SLURM and kill send SIGTERM, a closed terminal SIGHUP: the process died with -15 and left
+    # its hidden temporary behind
+    out = tmp_path / "big.zarr"
+    proc, _ = start_and_wait_for_chunks(["compress", big_npy, out], out)
+    proc.send_signal(sig)
+    one_line(finish(proc), 128 + sig, f"dctchop: interrupted by {sig.name}")
+    assert_no_output(out)
+
+
+def test_sigterm_during_overwrite_keeps_the_old_store(tmp_path, big_npy, inputs):
+    out = tmp_path / "big.zarr"
+    ok(run("compress", inputs / "images.npy", out, "--quiet"))
+    before = snapshot(out)
+    proc, _ = start_and_wait_for_chunks(["compress", big_npy, out, "--overwrite"], out)
+    proc.send_signal(signal.SIGTERM)
+    one_line(finish(proc), 143, "dctchop: interrupted by SIGTERM")
+    assert snapshot(out) == before and siblings(out) == []
+
+
+def test_sigterm_during_decompress_leaves_no_temporary(tmp_path, big_npy):
+    store = tmp_path / "big.zarr"
+    ok(run("compress", big_npy, store, "--quiet"))
+    out = tmp_path / "back.npy"
+    proc = subprocess.Popen([str(DCTCHOP), "decompress", str(store), str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not siblings(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    p = finish(proc)
+    if p.returncode == 0:
+        pytest.skip("decompress finished before the signal arrived")
+    one_line(p, 143, "dctchop: interrupted by SIGTERM")
+    assert_no_output(out)
+
+
+IGNORED_SIGHUP = """
+import signal
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+import dctchop.cli.main
+_call = dctchop.cli.main._Progress.__call__
+def progress(self, n):  # a hang-up in the middle of the work
+    signal.raise_signal(signal.SIGHUP)
+    _call(self, n)
+dctchop.cli.main._Progress.__call__ = progress
+"""
+
+
+def test_sighup_stays_ignored_under_nohup(tmp_path, inputs):
+    out = tmp_path / "out.zarr"
+    ok(run_main(["compress", inputs / "images.npy", out, "--chunk-samples", "16", "--quiet"], IGNORED_SIGHUP,
+                tmp_path))
+    assert (out / "zarr.json").is_file() and siblings(out) == []
+
+
 CTRL_C_BETWEEN_CHUNKS = """
 import time
 import dctchop.cli.main
