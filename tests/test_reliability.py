@@ -705,13 +705,15 @@ def test_sigkill_during_compress_then_rerun(tmp_path, big_npy):
     assert not tmp.exists() and siblings(out) == [], "the stale temporary of a dead process was not removed"
 
 
-def test_sigint_during_overwrite_keeps_the_old_store(tmp_path, big_npy, inputs):
+@pytest.mark.parametrize("sig, code, message", [(signal.SIGINT, 130, "dctchop: interrupted"),
+                                                 (signal.SIGTERM, 143, "dctchop: interrupted by SIGTERM")])
+def test_a_signal_during_overwrite_keeps_the_old_store(tmp_path, big_npy, inputs, sig, code, message):
     out = tmp_path / "big.zarr"
     ok(run("compress", inputs / "images.npy", out, "--quiet"))
     before = snapshot(out)
     proc, _ = start_and_wait_for_chunks(["compress", big_npy, out, "--overwrite"], out)
-    proc.send_signal(signal.SIGINT)
-    one_line(finish(proc), 130, "dctchop: interrupted")
+    proc.send_signal(sig)
+    one_line(finish(proc), code, message)
     assert snapshot(out) == before
     assert siblings(out) == []
     np.testing.assert_array_equal(read_store(out).shape, (64, 16, 16))
@@ -726,16 +728,6 @@ def test_sigterm_and_sighup_during_compress_clean_up_like_ctrl_c(tmp_path, big_n
     proc.send_signal(sig)
     one_line(finish(proc), 128 + sig, f"dctchop: interrupted by {sig.name}")
     assert_no_output(out)
-
-
-def test_sigterm_during_overwrite_keeps_the_old_store(tmp_path, big_npy, inputs):
-    out = tmp_path / "big.zarr"
-    ok(run("compress", inputs / "images.npy", out, "--quiet"))
-    before = snapshot(out)
-    proc, _ = start_and_wait_for_chunks(["compress", big_npy, out, "--overwrite"], out)
-    proc.send_signal(signal.SIGTERM)
-    one_line(finish(proc), 143, "dctchop: interrupted by SIGTERM")
-    assert snapshot(out) == before and siblings(out) == []
 
 
 def test_sigterm_during_decompress_leaves_no_temporary(tmp_path, big_npy):
