@@ -183,6 +183,8 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
             click.echo(f"  {fmt_mb(a['original_bytes'])} -> {fmt_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}, "
                        f"PSNR {fmt_db(a['psnr'])} dB (chunks min {fmt_db(a['psnr_min'])}, mean {fmt_db(a['psnr_mean'])}), "
                        f"max abs error {a['max_abs_error']:.4g}")
+            if "note" in a:
+                click.echo(f"  note: {a['note']}")
         if source.left_out:
             click.echo(f"left out (--dataset names the datasets to compress): {', '.join(source.left_out)}")
         t = summary["totals"]

@@ -66,6 +66,7 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_PSNR_INTEGER = 40.0
 DEFAULT_PSNR_FLOAT = 60.0
 RATIO_TOLERANCE = 0.05
+RATIO_MARGIN = 0.01  # a target the search estimates within this of the tolerance is refused up front
 PSNR_TOLERANCE_DB = 0.01
 RATIO_SAMPLE_BYTES = 64 << 20
 DASK_TASK_BYTES = 64 << 20
@@ -122,6 +123,7 @@ class ArrayPlan:
     target: Target
     peak: float
     zstd_level: int = ZSTD_LEVEL  # of the lossless stage after the codec (decoders need not know it)
+    note: str | None = None  # what the summary should tell the user about how the target was met
 
     @property
     def codec(self) -> DctChopCodec:
@@ -241,15 +243,17 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
     """Quantization step that gives the array ``ratio`` (within 1%), counting ``overhead`` bytes of metadata.
 
     The chunk bytes are measured on a sample of chunks (all of them for arrays up to 64 MB) and scaled to
-    the whole array.
+    the whole array. An array that compresses beyond ``ratio`` at the finest step is stored at that step
+    (best quality; ``plan.note`` says so): no step could bring its ratio down to the target.
     """
     zstd = numcodecs.Zstd(level=plan.zstd_level)
     settings = replace(plan.settings, target_psnr=None)
     scale, sample = plan.peak, []  # the steps tried are relative to the data's scale, however small
-    for r in _sample_ranges(plan):  # each sample chunk is transformed once, quantized at every step tried
-        x = _pad_to_chunk(plan.source.read(*r), plan.chunks, edge=0 in plan.axes)
-        scale = max(scale, float(np.abs(x).max()))
-        sample.append(transform_chunk(x, settings, threads))
+    for start, stop in _sample_ranges(plan):  # each sample chunk is transformed once, quantized at every step
+        x = _pad_to_chunk(plan.source.read(start, stop), plan.chunks, edge=0 in plan.axes)
+        c = transform_chunk(x, settings, threads, valid_rows=stop - start)  # as the writer will
+        scale = max(scale, float(np.abs(c.centred).max()))
+        sample.append(c)
     n_chunks = len(_chunk_ranges(plan.source.shape[0], plan.chunks[0]))
     original = math.prod(plan.source.shape) * plan.source.dtype.itemsize
 
@@ -258,10 +262,13 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
         return original / (chunk_bytes * n_chunks / len(sample) + overhead)
 
     lo, hi = math.log(scale * 1e-7), math.log(scale * 64)
-    if achieved(math.exp(lo)) > ratio * (1 + RATIO_TOLERANCE):
-        raise DctchopError(f"{plan.name}: ratio {ratio:g} is lower than the finest {plan.settings.precision} "
-                           f"quantization gives ({achieved(math.exp(lo)):.3g}); ask for a higher ratio")
-    if achieved(math.exp(hi)) < ratio * (1 - RATIO_TOLERANCE):
+    finest = achieved(math.exp(lo))
+    if finest > ratio * (1 + RATIO_TOLERANCE):
+        plan.note = (f"ratio {ratio:g} asked for, but the finest {plan.settings.precision} quantization already "
+                     f"gives about {finest:.3g}: stored at that step")
+        return math.exp(lo)
+    # with a margin: the estimate counts the metadata before it is written
+    if achieved(math.exp(hi)) < ratio * (1 - RATIO_TOLERANCE) * (1 + RATIO_MARGIN):
         raise DctchopError(f"{plan.name}: ratio {ratio:g} is unreachable (at most about "
                            f"{achieved(math.exp(hi)):.3g} with these settings, metadata included)")
     for _ in range(40):
@@ -643,6 +650,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
                 _create_lossy_arrays(group, plan, overwrite=True)  # the codec configuration now names the step
             result = _write_lossy(tmp, plan, workers, options.scheduler, progress)
             arrays[plan.name] = _array_summary(plan, result, tmp)
+            _check_ratio(plan, arrays[plan.name]["ratio"])
         for array in source.lossless:
             _write_lossless(group, source, array, options.zstd_level, progress)
         seconds = time.perf_counter() - started
@@ -663,6 +671,18 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
         _discard_temporary(tmp)
         raise
     return summary
+
+
+def _check_ratio(plan: ArrayPlan, achieved: float) -> None:
+    """The --ratio promise, checked on the store as written: the search worked on a sample and an estimate of
+    the metadata, so the whole array may come out differently."""
+    if plan.target.kind != "ratio" or plan.note is not None:
+        return
+    ratio = float(plan.target.value)
+    if abs(achieved / ratio - 1) > RATIO_TOLERANCE:
+        raise DctchopError(f"{plan.name}: --ratio {ratio:g} came out at {achieved:.4g}, more than "
+                           f"{RATIO_TOLERANCE:.0%} off (the data is not like the chunks the search sampled); "
+                           "nothing was written")
 
 
 def _array_summary(plan: ArrayPlan, result: dict, root: Location) -> dict:
@@ -691,6 +711,7 @@ def _array_summary(plan: ArrayPlan, result: dict, root: Location) -> dict:
         "psnr_max": float(np.max(meta["psnr"])),
         "max_abs_error": float(np.max(meta["max_abs_error"])),
         "rmse": math.sqrt(mse),
+        **({"note": plan.note} if plan.note else {}),
     }
 
 

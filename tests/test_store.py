@@ -188,3 +188,35 @@ def test_fields_far_from_zero_reach_the_default_target_in_every_chunk(tmp_path):
         y = zarr.open_group(str(out), mode="r")["data"][:]
         peak = float(x.max()) - float(x.min())
         assert 10 * np.log10(peak**2 / np.mean((y.astype(np.float64) - x) ** 2)) == pytest.approx(data["psnr"], abs=0.01)
+
+
+def test_an_array_beyond_the_ratio_at_the_finest_step_is_stored_there_with_a_note(tmp_path):
+    # an all-zero array beside noise made the whole --ratio 1.5 run fail ("lower than the finest quantization
+    # gives"): no step brings it down to 1.5, and its finest step is the best it can be stored at
+    rng = np.random.default_rng(1)
+    with h5py.File(tmp_path / "mix.h5", "w") as f:
+        f["images"] = (rng.random((64, 32, 32)) * 255).astype(np.uint8)
+        f["masks"] = np.zeros((64, 32, 32), np.uint8)
+    summary = compress(open_source(str(tmp_path / "mix.h5")), tmp_path / "mix.zarr",
+                       CompressOptions(target=Target("ratio", 1.5)))
+    images, masks = summary["arrays"]["images"], summary["arrays"]["masks"]
+    assert abs(images["ratio"] / 1.5 - 1) <= 0.05 and "note" not in images
+    assert masks["ratio"] > 10 and "finest int16 quantization" in masks["note"] and masks["max_abs_error"] == 0
+
+
+def test_a_ratio_estimated_at_the_edge_of_reach_is_refused_before_writing(tmp_path):
+    # noise: the coarsest step reaches about 7.6 with the metadata; --ratio 8 was accepted (7.6 is within 5%)
+    # and came out at 7.598, just past it
+    np.save(tmp_path / "noise.npy", (np.random.default_rng(0).random((10, 3, 32, 32)) * 255).astype(np.uint8))
+    with pytest.raises(DctchopError, match="ratio 8 is unreachable"):
+        compress(open_source(str(tmp_path / "noise.npy")), tmp_path / "n.zarr",
+                 CompressOptions(target=Target("ratio", 8.0)))
+    assert not (tmp_path / "n.zarr").exists()
+
+
+def test_the_ratio_is_checked_on_the_store_as_written(tmp_path, h5_images, monkeypatch):
+    # the search works on a sample of chunks: data unlike the sample could miss the target, which is promised
+    monkeypatch.setattr(store, "search_ratio_step", lambda plan, ratio, threads, overhead: 1.0)
+    with pytest.raises(DctchopError, match=r"--ratio 6 came out at .*more than 5% off"):
+        compress(open_source(str(h5_images)), tmp_path / "r.zarr", CompressOptions(target=Target("ratio", 6.0)))
+    assert not (tmp_path / "r.zarr").exists() and list(tmp_path.iterdir()) == [h5_images]
