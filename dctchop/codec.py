@@ -259,12 +259,13 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
     step, stored, stats = settings.step, None, None
     if settings.target_psnr is not None:
         step, target_sse, stored = _step_for_psnr(c, settings, weights, rows)
-    steps = qz.choose_steps(maxabs, settings.precision, step, weights)
-    if stored is None:
-        stored = _quantize(c, steps, settings.precision)
     if settings.target_psnr is not None and x.dtype.kind in "iu":
         steps, stored, stats = _step_for_integer_output(x, c, weights, rows, threads, step, target_sse)
-    elif settings.target_psnr is not None:
+    else:
+        steps = qz.choose_steps(maxabs, settings.precision, step, weights)
+        if stored is None:
+            stored = _quantize(c, steps, settings.precision)
+    if settings.target_psnr is not None and x.dtype.kind == "f":
         # The error model is exact in coefficient space; float rounding makes the real error differ slightly.
         # Check the reconstruction itself and tighten the step until the target holds.
         finest = qz.choose_steps(maxabs, settings.precision)
@@ -305,7 +306,8 @@ def _step_for_integer_output(x: np.ndarray, c: Coefficients, weights, rows, thre
 
     if step <= finest:  # the model gave up (a target beyond its floor): start where rounding begins to show
         step = min(max(math.sqrt(12 * target_sse / max(c.values.size, 1)), finest), coarsest)
-    return made[_search(measured, step, finest, coarsest, math.log(max(target_sse, 1e-300)), SEARCH_SLACK, 1.25)]
+    goal = math.log(max(target_sse, 1e-300))
+    return made[_search(measured, step, finest, coarsest, goal, SEARCH_SLACK, 1.25)]
 
 
 def _step_bounds(c: Coefficients, weights) -> tuple[float, float]:
