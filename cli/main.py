@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 
 import click
 
@@ -258,11 +259,25 @@ def decompress(store, output, overwrite):
     click.echo(f"wrote {', '.join(names)} -> {output}", err=True)
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library's warning (zarr's about a data type without a Zarr v3 specification, say) as one line on
+    stderr, its first sentence, like the CLI's other messages; ``--debug`` shows Python's own form."""
+    click.echo(f"dctchop: warning: {str(message).split('. ')[0].rstrip('.')}", err=True)
+
+
+@contextlib.contextmanager
+def _one_line_warnings(debug: bool):
+    with warnings.catch_warnings():
+        if not debug:
+            warnings.showwarning = _one_line_warning
+        yield
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the group, turning errors into one line on stderr and a documented exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        with _signals_raise():
+        with _signals_raise(), _one_line_warnings(debug):
             cli.main(args=argv, prog_name="dctchop", standalone_mode=False)
     except Terminated as e:
         click.echo(f"dctchop: interrupted by {e}", err=True)
