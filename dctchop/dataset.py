@@ -135,6 +135,13 @@ def _chunk_bounds(index: int, chunk_len: int, length: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------- views
 
 
+def main_array(arrays: dict) -> str:
+    """A store's main compressed array, from its record's ``arrays`` (name -> summary with its ``shape``): the
+    one with the most values per sample, the first name on a tie; the images of a store that also compresses
+    their boxes, whichever name sorts first."""
+    return max(arrays, key=lambda name: math.prod(arrays[name]["shape"][1:]))
+
+
 def _array_name(name: str) -> str:
     """A store's name for an array: HDF5's absolute ``/train/images`` is ``train/images`` there (the
     compressor strips the slash)."""
@@ -288,7 +295,7 @@ class Dataset:
             array = self._zarr_array(group, name)
             self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array), info["arrays"][name],
                                           self._threads)
-        main = self._default_main() if main is None else _array_name(main)
+        main = main_array(info["arrays"]) if main is None else _array_name(main)
         if main not in self.lossy_names:
             raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "
                                f"{', '.join(self.lossy_names)}")
@@ -296,11 +303,6 @@ class Dataset:
         for name in self.lossless_names:
             array = self._zarr_array(group, name)
             self._views[name] = ArrayView(_LosslessArray(name, array, self.main.chunk_len), None, self._threads)
-
-    def _default_main(self) -> str:
-        """The lossy array with the most values per sample (the first name on a tie): the images of a store
-        that also compresses their boxes, whichever name sorts first."""
-        return max(self.lossy_names, key=lambda n: math.prod(self._views[n].shape[1:]))
 
     def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:
         try:

@@ -357,10 +357,11 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
 
     ``source``: the input the store was made from (default: the path recorded in the store). ``indices``:
     samples to show (default :data:`DEFAULT_SAMPLES` spread over the array). ``array``: which array of the
-    store (default: the first). Returns what was drawn: array, layout, kind, size and per-sample PSNR.
+    store (default: its main one, :func:`dctchop.dataset.main_array`). Returns what was drawn: array, layout, kind, size and per-sample PSNR.
     """
     import zarr
 
+    from dctchop.dataset import main_array
     from dctchop.inspect import open_store
 
     out = check_png_path(out)
@@ -369,7 +370,7 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
     names = list(info["arrays"])
     if not names:
         raise DctchopError(f"{store} holds no compressed array")
-    name = array if array is not None else names[0]
+    name = array if array is not None else main_array(info["arrays"])
     if name not in info["arrays"]:
         raise DctchopError(f"{store} has no compressed array {name!r}; it has {', '.join(names)}")
     entry = info["arrays"][name]
