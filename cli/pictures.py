@@ -23,7 +23,7 @@ from dctchop.errors import DctchopError
 @click.option("--index", "indices", type=int, multiple=True, metavar="I",
               help="Sample to show (repeatable; negative counts from the end). Default: 4 spread over the array.")
 @click.option("--array", metavar="NAME",
-              help="Which compressed array of the store (default: the main one, with the most values per sample).")
+              help="Which compressed array of the store (default: the one with most values per sample).")
 def preview(store, out, source, indices, array):
     """Draw original | decoded | absolute error for a few samples of STORE into a PNG.
 
