@@ -269,8 +269,10 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
         return math.exp(lo)
     # with a margin: the estimate counts the metadata before it is written
     if achieved(math.exp(hi)) < ratio * (1 - RATIO_TOLERANCE) * (1 + RATIO_MARGIN):
+        small = (f"; at {original} bytes its metadata alone outweighs that: copy it with --lossless"
+                 if overhead * ratio >= original else "")
         raise DctchopError(f"{plan.name}: ratio {ratio:g} is unreachable (at most about "
-                           f"{achieved(math.exp(hi)):.3g} with these settings, metadata included)")
+                           f"{achieved(math.exp(hi)):.3g} with these settings, metadata included){small}")
     for _ in range(40):
         mid = (lo + hi) / 2
         r = achieved(math.exp(mid))
@@ -638,8 +640,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
         for path, attrs in sorted(source.groups.items()):
             if path.strip("/"):
                 group.require_group(path.strip("/")).attrs.update(attrs)
-        arrays = {}
-        for plan in plans:
+        for plan in plans:  # every search before any chunk is written: a target out of reach fails at once
             if plan.source.dtype.kind == "f":
                 scan_float(plan, workers)
             _create_lossy_arrays(group, plan)
@@ -648,6 +649,8 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
                 plan.settings = replace(plan.settings, step=search_ratio_step(plan, float(plan.target.value),
                                                                               workers, overhead))
                 _create_lossy_arrays(group, plan, overwrite=True)  # the codec configuration now names the step
+        arrays = {}
+        for plan in plans:
             result = _write_lossy(tmp, plan, workers, options.scheduler, progress)
             arrays[plan.name] = _array_summary(plan, result, tmp)
             _check_ratio(plan, arrays[plan.name]["ratio"])

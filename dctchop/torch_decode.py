@@ -159,7 +159,7 @@ class StagedChunk:
     stored: torch.Tensor = field(repr=False)  # (n_values,) in the storage dtype (bfloat16 bits as int16)
     steps: torch.Tensor = field(repr=False)  # (n_bands,) in the work dtype, times 2**shift
     shift: int = 0  # the decoded chunk is divided by 2**shift
-    offset: float = 0.0  # then the chunk's offset is added
+    offset: float = 0.0  # and added to the chunk's offset
 
 
 # float32 steps are kept at or above this: with basis entries down to about 2**-10 (8x8x8 blocks), every
@@ -234,8 +234,8 @@ class DeviceDecoder:
 
     def upload(self, chunks: list[StagedChunk]) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
         """Stored values ``(n, n_values)``, steps ``(n, n_bands)`` and what is done to each decoded chunk last
-        (``(scales, offsets)``: ``2**-shift`` and the offset per chunk, see :class:`StagedChunk`; None when
-        there is nothing to do) of ``chunks`` on the device: only these cross, one asynchronous copy each
+        (``(offsets, scales)``: the offset times ``2**shift``, and ``2**-shift``, per chunk, see
+        :class:`StagedChunk`; None when there is nothing to do) of ``chunks`` on the device: only these cross, one asynchronous copy each
         from pinned memory when the device is a GPU."""
         precision = chunks[0].precision
         if any(c.precision != precision or plan_key(c.plan) != plan_key(self.plan) for c in chunks):
@@ -248,20 +248,22 @@ class DeviceDecoder:
         if precision == "bfloat16":
             stored = stored.view(torch.bfloat16)
         last = None
-        if any(c.shift or c.offset for c in chunks):  # 2**-shift is exact, and a normal float32
+        if any(c.shift or c.offset for c in chunks):  # powers of two: exact, and normal float32s
             shape = (-1, *[1] * len(self.plan.shape))
             last = tuple(torch.tensor(v, dtype=self.work).view(shape).to(self.device)
-                         for v in ([2.0 ** -c.shift for c in chunks], [c.offset for c in chunks]))
+                         for v in ([math.ldexp(c.offset, c.shift) for c in chunks], [2.0 ** -c.shift for c in chunks]))
         return stored, steps, last
 
     def __call__(self, stored: torch.Tensor, steps: torch.Tensor, last: tuple | None = None) -> torch.Tensor:
-        """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` steps into ``(n, *chunk_shape)``, then scale
-        and offset each chunk as ``last`` (from :meth:`upload`) says. Only float32/float64 data has scales or
-        offsets, whose output is neither rounded nor clipped: they apply last, on either path."""
+        """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` steps into ``(n, *chunk_shape)``, then offset
+        and scale each chunk as ``last`` (from :meth:`upload`) says. Only float32/float64 data has offsets or
+        scales, whose output is neither rounded nor clipped: they apply last, on either path. The offset is
+        added at the scale of the decode, whose values may be subnormal only once scaled back: the sum is
+        rounded as on the host (a power of two changes no rounding) and is never flushed to zero."""
         out = self._decode(stored, steps)
         if last is not None:
-            scales, offsets = last
-            out.mul_(scales).add_(offsets)
+            offsets, scales = last
+            out.add_(offsets).mul_(scales)
         return out
 
     def _decode(self, stored: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

@@ -595,6 +595,17 @@ def test_values_too_large_for_the_transform_are_refused(dtype, block, fits, too_
         encode_chunk(x * too_big, replace(s, peak=2.0 * too_big))
 
 
+@pytest.mark.parametrize("settings", [{"precision": "float16"}, {"precision": "int16", "step": 1e33}])
+def test_an_offset_beyond_the_values_bound_is_refused(settings):
+    # relative to its midrange the data fits, but the decoded values added to it passed float32's largest
+    # value: 3536 of 8192 came back infinite, and the store said so only as "-inf dB"
+    top = np.finfo(np.float32).max
+    x = np.full((8, 32, 32), top, np.float32)
+    x[:, ::7, ::5] = top - np.float32(1e36)
+    with pytest.raises(DctchopError, match="too large for the float32 transform"):
+        encode_chunk(x, ChunkSettings((1, 2), (8, 8), (8, 8), **settings))
+
+
 @pytest.mark.parametrize("step", [None, 0.5, 4.0])
 def test_transform_once_then_quantize_equals_encode_chunk(step):
     x = smooth_uint8_stack(seed=4)

@@ -693,20 +693,23 @@ def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
 
 
 @needs_torch
-@pytest.mark.parametrize("scale", [1e-30, 1e-35, 1e-37])
-def test_device_decode_of_tiny_float32_data_survives_flushing_subnormals(scale):
+@pytest.mark.parametrize("scale, offset", [(1e-30, 0), (1e-35, 0), (1e-37, 0), (1e-38, 1e-35)])
+def test_device_decode_of_tiny_float32_data_survives_flushing_subnormals(scale, offset):
     """Steps of data this small are float32 subnormals; they travel shifted by a power of two, so a device
     that flushes subnormals (emulated here with torch.set_flush_denormal on the CPU) decodes them right.
-    Unshifted, data at 1e-37 decoded at 18 dB against 60 dB."""
+    Unshifted, data at 1e-37 decoded at 18 dB against 60 dB. Data that small around an offset (stored
+    relative to it) has its offset added before the shift is undone: after, the decoded values relative to
+    it were subnormal and flushed (12 dB)."""
     from dctchop.torch_decode import SMALLEST_STEP, decode_on_device, stage
 
     rng = np.random.default_rng(0)
-    x = (np.cumsum(np.cumsum(rng.normal(size=(4, 32, 32)), -1), -2) * scale).astype(np.float32)
+    x = np.cumsum(np.cumsum(rng.normal(size=(4, 32, 32)), -1), -2)
+    x = (x / np.abs(x).max() * 100 * scale + offset).astype(np.float32)
     peak = float(x.max() - x.min())
     data = encode_chunk(x, ChunkSettings((1, 2), (8, 8), (8, 8), precision="int16", target_psnr=60.0, peak=peak))
     ref = decode_chunk(data, x.shape, x.dtype)
     staged = stage(read_stored(data, x.shape, x.dtype), "cpu")
-    assert staged.shift > 0 and float(staged.steps.min()) >= SMALLEST_STEP
+    assert staged.shift > 0 and float(staged.steps.min()) >= SMALLEST_STEP and (staged.offset != 0) == (offset != 0)
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush subnormals")
     try:

@@ -220,3 +220,17 @@ def test_the_ratio_is_checked_on_the_store_as_written(tmp_path, h5_images, monke
     with pytest.raises(DctchopError, match=r"--ratio 6 came out at .*more than 5% off"):
         compress(open_source(str(h5_images)), tmp_path / "r.zarr", CompressOptions(target=Target("ratio", 6.0)))
     assert not (tmp_path / "r.zarr").exists() and list(tmp_path.iterdir()) == [h5_images]
+
+
+def test_a_ratio_out_of_reach_for_any_array_fails_before_a_chunk_is_written(tmp_path, monkeypatch):
+    # the arrays before it used to be encoded whole first; a tiny one's metadata outweighs any budget
+    rng = np.random.default_rng(0)
+    with h5py.File(tmp_path / "tiny.h5", "w") as f:
+        f["a_images"] = (rng.random((300, 32, 32, 3)) * 255).astype(np.uint8)
+        f["g/const"] = np.full((10, 8, 8), 7, np.uint8)
+    written = []
+    monkeypatch.setattr(store, "_write_lossy", lambda *args: written.append(args) or {})
+    with pytest.raises(DctchopError, match="g/const: ratio 4 is unreachable.*copy it with --lossless"):
+        compress(open_source(str(tmp_path / "tiny.h5")), tmp_path / "t.zarr",
+                 CompressOptions(target=Target("ratio", 4.0)))
+    assert written == [] and not (tmp_path / "t.zarr").exists()
