@@ -266,7 +266,7 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
     if settings.target_psnr is not None:
         step, target_sse, stored = _step_for_psnr(c, settings, weights, rows)
     if settings.target_psnr is not None and x.dtype.kind in "iu":
-        steps, stored, stats = _step_for_integer_output(x, c, weights, rows, threads, step, target_sse)
+        steps, stored, stats = _step_for_integer_output(x, c, weights, rows, threads, step, target_sse, stored)
     else:
         steps = qz.choose_steps(maxabs, settings.precision, step, weights)
         if stored is None:
@@ -290,9 +290,10 @@ def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
 
 
 def _step_for_integer_output(x: np.ndarray, c: Coefficients, weights, rows, threads: int, step: float,
-                             target_sse: float):
+                             target_sse: float, stored: np.ndarray | None):
     """(steps, stored values, error stats) at the largest base step whose reconstruction, rounded to integers
-    and clipped, meets ``target_sse``, searched from the model's ``step`` both ways on that reconstruction.
+    and clipped, meets ``target_sse``, searched from the model's ``step`` both ways on that reconstruction
+    (``stored``: the values at ``step`` when the model's search made them, not made again).
 
     Rounding to integers absorbs coefficient errors well under half a unit, which the error model counts at
     its worst (n/12 on top of them): near that floor it asks for far finer steps than needed. uint8 images at
@@ -301,13 +302,14 @@ def _step_for_integer_output(x: np.ndarray, c: Coefficients, weights, rows, thre
     confirms it, as before."""
     precision = c.settings.precision
     finest, coarsest = _step_bounds(c, weights)
+    known = {step: stored} if stored is not None else {}
     made = {}
 
     def measured(s: float) -> float:
         steps = qz.choose_steps(c.maxabs, precision, s, weights)
-        stored = _quantize(c, steps, precision)
-        stats = qz.error_stats(x, _reconstruct(stored, steps, c.plan, precision, x.dtype, threads), rows)
-        made[s] = steps, stored, stats
+        values = known[s] if s in known else _quantize(c, steps, precision)
+        stats = qz.error_stats(x, _reconstruct(values, steps, c.plan, precision, x.dtype, threads), rows)
+        made[s] = steps, values, stats
         return math.log(max(stats[0], 1e-300))
 
     if step <= finest:  # the model gave up (a target beyond its floor): start where rounding begins to show

@@ -235,8 +235,8 @@ class DeviceDecoder:
     def upload(self, chunks: list[StagedChunk]) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
         """Stored values ``(n, n_values)``, steps ``(n, n_bands)`` and what is done to each decoded chunk last
         (``(offsets, scales)``: the offset times ``2**shift``, and ``2**-shift``, per chunk, see
-        :class:`StagedChunk`; None when there is nothing to do) of ``chunks`` on the device: only these cross, one asynchronous copy each
-        from pinned memory when the device is a GPU."""
+        :class:`StagedChunk`; None when there is nothing to do) of ``chunks`` on the device: only these cross,
+        one asynchronous copy each from pinned memory when the device is a GPU."""
         precision = chunks[0].precision
         if any(c.precision != precision or plan_key(c.plan) != plan_key(self.plan) for c in chunks):
             raise DctchopError("chunks decoded together must share one plan and precision")
@@ -248,10 +248,11 @@ class DeviceDecoder:
         if precision == "bfloat16":
             stored = stored.view(torch.bfloat16)
         last = None
-        if any(c.shift or c.offset for c in chunks):  # powers of two: exact, and normal float32s
+        if any(c.shift or c.offset for c in chunks):
             shape = (-1, *[1] * len(self.plan.shape))
-            last = tuple(torch.tensor(v, dtype=self.work).view(shape).to(self.device)
-                         for v in ([math.ldexp(c.offset, c.shift) for c in chunks], [2.0 ** -c.shift for c in chunks]))
+            offsets = [math.ldexp(c.offset, c.shift) for c in chunks]  # at the decode's scale
+            scales = [2.0 ** -c.shift for c in chunks]  # powers of two: exact, and normal float32s
+            last = tuple(torch.tensor(v, dtype=self.work).view(shape).to(self.device) for v in (offsets, scales))
         return stored, steps, last
 
     def __call__(self, stored: torch.Tensor, steps: torch.Tensor, last: tuple | None = None) -> torch.Tensor:
