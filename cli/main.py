@@ -239,6 +239,9 @@ def _print_report(report: dict, show_chunks: bool) -> None:
     for name, a in report["lossless"].items():
         click.echo(f"\n{name}: {a['shape']} {a['dtype']}, lossless, {fmt_mb(a['original_bytes'])} -> "
                    f"{fmt_mb(a['stored_bytes'])}")
+    if report["links"]:
+        click.echo("\nlinks (names that read their target): " + ", ".join(
+            f"{link['path']} -> {link['target']} ({link['kind']})" for link in report["links"]))
     t = report["totals"]
     click.echo(f"\ntotal: {fmt_mb(t['original_bytes'])} -> {fmt_mb(t['stored_bytes'])} on disk, ratio {t['ratio']:.2f}")
     if "verify" in report:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -142,10 +143,19 @@ def main_array(arrays: dict) -> str:
     return max(arrays, key=lambda name: math.prod(arrays[name]["shape"][1:]))
 
 
-def _array_name(name: str) -> str:
+def _array_name(name: str, links: dict[str, str]) -> str:
     """A store's name for an array: HDF5's absolute ``/train/images`` is ``train/images`` there (the
-    compressor strips the slash)."""
-    return name[1:] if isinstance(name, str) and name.startswith("/") else name
+    compressor strips the slash), and a name through a link of the source file (``links``: alias -> target,
+    absolute paths, as the store records them) is its target's name."""
+    if not isinstance(name, str):
+        return name
+    path = "/" + name.lstrip("/")
+    for _ in range(len(links)):  # each step replaces one alias, and targets are real paths
+        alias = next((a for a in links if path == a or path.startswith(a.rstrip("/") + "/")), None)
+        if alias is None:
+            break
+        path = posixpath.join(links[alias], path[len(alias):].lstrip("/"))
+    return path.strip("/")
 
 
 def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
@@ -288,6 +298,7 @@ class Dataset:
         self.info = info
         self.lossy_names = tuple(info["arrays"])
         self.lossless_names = tuple(n for n in info.get("lossless", []) if n not in info["arrays"])
+        self._links = {link["path"]: link["target"] for link in info.get("links", [])}
         if not self.lossy_names:
             raise DctchopError(f"{self.path}: the store lists no compressed array")
         self._views: dict[str, ArrayView] = {}
@@ -295,7 +306,7 @@ class Dataset:
             array = self._zarr_array(group, name)
             self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array), info["arrays"][name],
                                           self._threads)
-        main = main_array(info["arrays"]) if main is None else _array_name(main)
+        main = main_array(info["arrays"]) if main is None else _array_name(main, self._links)
         if main not in self.lossy_names:
             raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "
                                f"{', '.join(self.lossy_names)}")
@@ -344,9 +355,9 @@ class Dataset:
         return self.shape[0]
 
     def array(self, name: str) -> ArrayView:
-        """The array ``name`` (``/name`` too, as HDF5 writes it); a :class:`DctchopError` listing the store's
-        arrays when there is none."""
-        key = _array_name(name)
+        """The array ``name`` (``/name`` too, as HDF5 writes it, or a name through a soft or hard link the
+        source file had); a :class:`DctchopError` listing the store's arrays when there is none."""
+        key = _array_name(name, self._links)
         if key not in self._views:
             raise DctchopError(f"{self.path} has no array {name!r}; it has: {', '.join(self.arrays)}")
         return self._views[key]
@@ -357,7 +368,7 @@ class Dataset:
         return self.main[key]
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and _array_name(name) in self._views
+        return isinstance(name, str) and _array_name(name, self._links) in self._views
 
     def __array__(self, dtype=None, copy=None):
         return self.main.__array__(dtype)

@@ -66,6 +66,9 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
                     ds = h5.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
                     ds.attrs.update({k: _h5_attr(v) for k, v in arr.attrs.items()})
                     _copy_rows(arr, ds.__setitem__, arr.chunks[0] if arr.shape else 1)
+                for link in info.get("links", []):  # targets are stored objects, so they exist by now
+                    target = link["target"]
+                    h5[link["path"]] = h5py.SoftLink(target) if link["kind"] == "soft" else h5[target]
         os.replace(tmp, output)
     except BaseException:
         if tmp.is_dir():

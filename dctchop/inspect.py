@@ -87,7 +87,7 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
     stored = location.size()
     report = {
         "store": str(path), "version": info.get("version"), "created": info.get("created"),
-        "source": info.get("source"), "arrays": arrays, "lossless": lossless,
+        "source": info.get("source"), "arrays": arrays, "lossless": lossless, "links": info.get("links", []),
         "totals": {"original_bytes": original, "stored_bytes": stored, "ratio": original / stored},
     }
     if verify is not None and not any(a["damaged_chunks"] for a in arrays.values()):

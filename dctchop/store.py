@@ -732,6 +732,8 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
                    "follow_external": source.follow_external},
         "arrays": arrays,
         "lossless": [array_name(source, a) for a in source.lossless],
+        **({"links": [{"path": path, "target": target, "kind": kind} for path, target, kind in source.links]}
+           if source.links else {}),
         "totals": {
             "original_bytes": original,
             "lossy_stored_bytes": sum(a["stored_bytes"] for a in arrays.values()),

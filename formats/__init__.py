@@ -140,6 +140,9 @@ class Source:
     left_out : tuple of str
         HDF5 datasets and groups of the file that are in neither ``lossy`` nor ``lossless`` (only when
         datasets were named), so that a caller can say what the store will lack.
+    links : tuple of (str, str, str)
+        HDF5 aliases of what is stored: (path, the path of the group or dataset it names, ``"soft"`` or
+        ``"hard"``), absolute paths, sorted; the object itself is stored once, under its own path.
     """
 
     path: str
@@ -149,6 +152,7 @@ class Source:
     groups: dict[str, dict] = field(default_factory=dict)
     follow_external: bool = False
     left_out: tuple[str, ...] = ()
+    links: tuple[tuple[str, str, str], ...] = ()
 
     def __hash__(self) -> int:  # groups is a dict: hash the identifying fields only
         return hash((self.path, self.kind, self.lossy, self.lossless))

@@ -5,8 +5,9 @@ an external link (or a virtual dataset or external raw storage pointing at other
 depend on files the user never named, which may be missing on a worker, change independently, or, for a
 virtual dataset whose source is missing, read back as fill values without any error. So anything that
 leaves the file is refused unless ``follow_external=True``. Soft links stay inside the file and are fine;
-in the default scan an object is taken once, under its first hard-link path in name order (soft links and
-extra hard links to it are not copied again).
+in the default scan an object is taken once, under its first hard-link path in name order. Soft links and
+extra hard links to it are not copied again: they become :attr:`Source.links` (alias, object's path, kind),
+which the store records so that readers resolve the alias and ``decompress`` recreates the link.
 
 Why variable-length data is refused: h5py reads it as numpy object arrays, which have no fixed-width
 representation to copy bit-exactly into a Zarr chunk. Fixed-width strings, bool, complex, enum, compound
@@ -251,9 +252,10 @@ class _Walk:
         self.groups: dict[str, dict] = {}
         self.datasets: list[tuple[str, object]] = []  # (path, h5py.Dataset)
         self.problems: list[tuple[str, str]] = []  # (path, reason) for links that could not be taken
-        self._seen: set = set()
+        self.hard_links: list[tuple[str, str]] = []  # (path, the object's first path) for extra hard links
+        self.soft_links: list[tuple[str, str]] = []  # (path, absolute target path as written in the link)
+        self._paths: dict = {f["/"].id: "/"}  # object id -> the path it is taken under
         self._follow = follow_external
-        self._seen.add(f["/"].id)
         self.groups["/"] = _attrs(f)
         self._walk(f, "/")
 
@@ -266,8 +268,9 @@ class _Walk:
             except _H5_ERRORS as exc:  # pragma: no cover - damaged link table
                 self.problems.append((path, f"cannot be read ({_one_line(exc)})"))
                 continue
-            if isinstance(link, h5py.SoftLink):
-                continue  # in-file alias: its target is taken at its own hard-link path
+            if isinstance(link, h5py.SoftLink):  # in-file alias: its target is taken at its own hard-link path
+                self.soft_links.append((path, posixpath.normpath(posixpath.join(prefix, link.path))))
+                continue
             if isinstance(link, h5py.ExternalLink) and not self._follow:
                 reason = (
                     f"is an external link to {link.filename}:{link.path}; pass follow_external=True "
@@ -285,15 +288,29 @@ class _Walk:
                 )
                 self.problems.append((path, f"is an {what} ({_one_line(exc)})"))
                 continue
-            if obj.id in self._seen:
+            if obj.id in self._paths:
+                self.hard_links.append((path, self._paths[obj.id]))
                 continue
-            self._seen.add(obj.id)
+            self._paths[obj.id] = path
             if isinstance(obj, h5py.Group):
                 self.groups[path] = _attrs(obj)
                 self._walk(obj, path)
             elif isinstance(obj, h5py.Dataset):
                 self.datasets.append((path, obj))
             # committed datatypes carry no data
+
+    def links(self, f, file: str) -> list[tuple[str, str, str]]:
+        """(path, the target object's path, "soft" or "hard") for every alias of a group or dataset taken in the
+        walk; soft links that dangle or lead out of the file (unless followed) are no alias of anything."""
+        found = [(path, target, "hard") for path, target in self.hard_links]
+        for path, written in self.soft_links:
+            try:
+                target = self._paths.get(_lookup(f, written, self._follow, file, self).id)
+            except DctchopError:
+                continue
+            if target is not None:
+                found.append((path, target, "soft"))
+        return found
 
     def available(self) -> str:
         names = sorted([p for p, _ in self.datasets] + [p for p, _ in self.problems])
@@ -430,6 +447,8 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         if chosen:
             lossy = [_source_array(file, n, ds) for n, ds in chosen]
         kept += [_source_array(file, n, ds) for n, ds in forced]
+        stored = {a.name for a in lossy + kept} | set(groups)
+        links = tuple(sorted(link for link in walk.links(f, file) if link[1] in stored))
     except DctchopError:
         f.close()
         raise
@@ -438,7 +457,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         raise DctchopError(f"{file}: cannot read HDF5 structure ({_one_line(exc)})") from None
     f.close()
     return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups,
-                  follow_external=follow_external, left_out=tuple(sorted(left_out)))
+                  follow_external=follow_external, left_out=tuple(sorted(left_out)), links=links)
 
 
 class _Handle:

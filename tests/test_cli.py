@@ -928,6 +928,43 @@ def test_decompress_to_h5_restores_arrays_groups_attrs(data, base, tmp_path):
                 assert np.array_equal(np.asarray(got[k]), np.asarray(value)), (path, k)
 
 
+def test_hdf5_links_are_recorded_read_and_restored(tmp_path):
+    """Soft and extra hard links are stored once, under the object's own path; the store records them, so
+    names through them read their target, ``inspect`` lists them and ``decompress`` recreates them."""
+    src = tmp_path / "links.h5"
+    images = np.random.default_rng(3).integers(0, 256, (40, 16, 16), dtype=np.uint8)
+    with h5py.File(src, "w") as f:
+        f["data/images"] = images
+        f["data/labels"] = np.arange(40)
+        f["train"] = h5py.SoftLink("/data")  # a group alias
+        f["data/imgs"] = h5py.SoftLink("images")  # relative
+        f["labels_too"] = f["data/labels"]  # a second hard link
+        f["dangling"] = h5py.SoftLink("/nowhere")
+    store, out = tmp_path / "s.zarr", tmp_path / "out.h5"
+    ok(run("compress", src, store, "--quiet"))
+    report = json.loads(ok(run("inspect", store, "--json")).stdout)
+    assert sorted(report["arrays"]) == ["data/images"] and report["lossless"].keys() == {"data/labels"}
+    assert report["links"] == [{"path": "/data/imgs", "target": "/data/images", "kind": "soft"},
+                               {"path": "/labels_too", "target": "/data/labels", "kind": "hard"},
+                               {"path": "/train", "target": "/data", "kind": "soft"}]
+    assert "/train -> /data (soft)" in ok(run("inspect", store)).stdout
+
+    import dctchop
+
+    ds = dctchop.open(store)
+    for name in ("train/imgs", "/data/imgs", "train/images"):
+        assert name in ds and ds[name].name == "data/images"
+    assert np.array_equal(ds["labels_too"][:], np.arange(40)) and "train/nowhere" not in ds
+    assert dctchop.open(store, main="train/images").main.name == "data/images"
+
+    ok(run("decompress", store, out))
+    with h5py.File(out, "r") as f:
+        assert f.get("train", getlink=True).path == "/data"
+        assert f.get("data/imgs", getlink=True).path == "/data/images"
+        assert isinstance(f.get("labels_too", getlink=True), h5py.HardLink) and f["labels_too"] == f["data/labels"]
+        assert np.array_equal(f["train/imgs"][:], decoded(store, "data/images")) and "dangling" not in f
+
+
 def test_decompress_multi_array_store_to_npy_is_an_error(base, tmp_path):
     out = tmp_path / "x.npy"
     user_error(run("decompress", base.store, out), "store holds 5 arrays", ".h5")

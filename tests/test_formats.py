@@ -585,6 +585,10 @@ def test_hdf5_soft_and_hard_links(tmp_path):
         f["dangling"] = h5py.SoftLink("/nowhere")
     src = open_source(path)
     assert names(src.lossy) == ["/data/x"]  # each object once, aliases not duplicated
+    # the aliases of what is stored, resolved to the object's own path; the dangling link names nothing
+    assert src.links == (("/alias", "/data/x", "soft"), ("/data/rel", "/data/x", "soft"),
+                         ("/hard", "/data/x", "hard"))
+    assert open_source(path, datasets=["alias"]).links == ()  # stored as /alias: /data/x is not in the store
     for alias in ("alias", "data/rel"):
         (a,) = open_source(path, datasets=[alias]).lossy
         assert a.name == "/" + alias
