@@ -169,9 +169,9 @@ def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
         return np.arange(*key.indices(n)), True
     if isinstance(key, list) and not key:  # numpy reads [] as an empty integer index; asarray makes it float
         return np.zeros(0, dtype=np.int64), True
-    if key is Ellipsis:
-        return np.arange(n), True
     idx = np.asarray(key)
+    if idx.ndim == 0 and idx.dtype.kind in "iu":  # np.int64(3) came above; np.array(3), torch.tensor(3)
+        return _sample_index(int(idx), n)
     if idx.dtype == bool:
         if idx.shape != (n,):
             raise IndexError(f"boolean index of shape {idx.shape} does not match {n} samples")
@@ -183,6 +183,11 @@ def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
     if bad.any():
         raise IndexError(f"index {int(idx[bad][0])} is out of range for {n} samples")
     return idx % n, True
+
+
+def _is_bool_index(key) -> bool:
+    return isinstance(key, np.ndarray) and key.dtype == bool or (
+        isinstance(key, list) and bool(key) and all(isinstance(k, (bool, np.bool_)) for k in key))
 
 
 class ArrayView:
@@ -250,12 +255,25 @@ class ArrayView:
         return out
 
     def __getitem__(self, key) -> np.ndarray:
+        """numpy's indexing: the samples the key selects along axis 0 are decoded, then the whole key is
+        applied to them with that part renumbered."""
         if not self.shape:
             return np.asarray(self._reader.array[key])
-        rest = ()
-        if isinstance(key, tuple):
-            key, rest = (key[0], key[1:]) if key else (Ellipsis, ())
-        idx, keep_axis = _sample_index(key, self.shape[0])
+        key = key if isinstance(key, tuple) else (key,)
+        at = next((i for i, k in enumerate(key) if k is not None), len(key))
+        if at < len(key) and key[at] is Ellipsis:
+            consumed = sum(np.ndim(k) if _is_bool_index(k) else 1 for k in key if k is not None and k is not Ellipsis)
+            if consumed < len(self.shape):  # the ellipsis spans axis 0: every sample
+                return self._samples(np.arange(self.shape[0]))[key]
+            at = next((i for i in range(at + 1, len(key)) if key[i] is not None), len(key))
+        if at == len(key):  # (), (None,): every sample
+            return self._samples(np.arange(self.shape[0]))[key]
+        idx, keep_axis = _sample_index(key[at], self.shape[0])
+        local = (slice(None) if isinstance(key[at], slice) else np.arange(idx.size)) if keep_axis else 0
+        return self._samples(idx)[(*key[:at], local, *key[at + 1:])]
+
+    def _samples(self, idx: np.ndarray) -> np.ndarray:
+        """Samples ``idx`` (in that order), each chunk decoded once."""
         out = np.empty((idx.size, *self.shape[1:]), dtype=self.dtype)
         chunk_of = idx // self.chunk_len
         needed = np.unique(chunk_of)
@@ -267,10 +285,7 @@ class ArrayView:
         for c, data in decoded.items():
             where = np.flatnonzero(chunk_of == c)
             out[where] = data[idx[where] - c * self.chunk_len]
-        if not keep_axis:
-            out = out[0]
-            return out[rest] if rest else out
-        return out[(slice(None), *rest)] if rest else out
+        return out
 
     def __array__(self, dtype=None, copy=None):
         out = self[...]

@@ -152,22 +152,23 @@ class OutputSpec:
     dtype: str | np.dtype  # output dtype name ("float32", ..., or the stored one); a lossless array's dtype
     item_shape: tuple[int, ...]
     channel_axis: int | None = None  # in the yielded layout (batch axis = 0)
-    scale: np.ndarray | None = field(default=None, repr=False)  # x * scale + shift, shaped to broadcast
-    shift: np.ndarray | None = field(default=None, repr=False)
+    mean: np.ndarray | None = field(default=None, repr=False)  # (x - mean) * scale, float64 shaped to broadcast
+    scale: np.ndarray | None = field(default=None, repr=False)
+    work: np.dtype = np.dtype(np.float32)  # what the normalisation computes in (see _normalisation)
 
     @property
     def identity(self) -> bool:
         return self.perm == tuple(range(len(self.perm))) and self.scale is None
 
     @cached_property
-    def channel_scale_shift(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per channel (one value without a channel axis), contiguous float32: what :func:`_gather_convert`
-        multiplies and adds; ones and zeros without normalisation. Made once: building them was 5 of the 8 us
-        a gather cost over its samples."""
+    def channel_mean_scale(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per channel (one value without a channel axis), contiguous, in the work dtype: what
+        :func:`_gather_convert` subtracts and multiplies by; zeros and ones without normalisation. Made once:
+        building them was 5 of the 8 us a gather cost over its samples."""
         channels = 1 if self.channel_axis is None else self.item_shape[self.channel_axis - 1]
-        scale = np.ones(channels, np.float32) if self.scale is None else np.broadcast_to(self.scale.ravel(), channels)
-        shift = np.zeros(channels, np.float32) if self.shift is None else np.broadcast_to(self.shift.ravel(), channels)
-        return np.ascontiguousarray(scale), np.ascontiguousarray(shift)
+        mean = np.zeros(channels) if self.mean is None else np.broadcast_to(self.mean.ravel(), channels)
+        scale = np.ones(channels) if self.scale is None else np.broadcast_to(self.scale.ravel(), channels)
+        return mean.astype(self.work), scale.astype(self.work)
 
     @property
     def host_dtype(self) -> np.dtype:
@@ -201,11 +202,19 @@ def _data_layout(view) -> str | None:
 
 
 def _normalisation(mean, std, item_shape: tuple[int, ...], channel_axis: int | None, name: str):
-    """(scale, shift) arrays so that ``x * scale + shift == (x - mean) / std``; None without mean/std."""
+    """(mean, 1 / std) as float64 arrays shaped to broadcast over a batch; None without mean/std.
+
+    Applied as ``(x - mean) * (1 / std)``, subtracting first: float data far from zero (a pressure of 1e5 Pa
+    with a std of 1) would otherwise lose its deviations in the rounding of ``x / std - mean / std``. The
+    loader computes it in float64 for float32/float64 data, in float32 for integers and float16, whose
+    values and differences float32 holds."""
     if mean is None and std is None:
         return None, None
-    m = np.atleast_1d(np.asarray(0.0 if mean is None else mean, dtype=np.float64))
-    s = np.atleast_1d(np.asarray(1.0 if std is None else std, dtype=np.float64))
+    try:
+        m = np.atleast_1d(np.asarray(0.0 if mean is None else mean, dtype=np.float64))
+        s = np.atleast_1d(np.asarray(1.0 if std is None else std, dtype=np.float64))
+    except (TypeError, ValueError):
+        m = s = np.zeros((0, 0))
     if m.ndim != 1 or s.ndim != 1:
         raise DctchopError("mean and std must be numbers or 1-D sequences (one value per channel)")
     count = max(m.size, s.size)
@@ -221,15 +230,14 @@ def _normalisation(mean, std, item_shape: tuple[int, ...], channel_axis: int | N
     shape = [1] * (len(item_shape) + 1)
     if count > 1:
         shape[channel_axis] = -1
-    scale = np.broadcast_to(1.0 / s, (count,)).astype(np.float32).reshape(shape)
-    shift = np.broadcast_to(-m / s, (count,)).astype(np.float32).reshape(shape)
-    return scale, shift
+    return np.broadcast_to(m, (count,)).reshape(shape), np.broadcast_to(1.0 / s, (count,)).reshape(shape)
 
 
 @numba.njit(nogil=True, cache=True)
-def _gather_convert(src, rows, out, scale, shift, transpose, channel_in_a):  # pragma: no cover - compiled
-    """``out[i] = float32(src[rows[i]]) * scale[channel] + shift[channel]`` over ``src`` viewed as (n, a, b),
-    written as (n, b, a) when ``transpose``: gather, cast, channel move and normalisation in one pass."""
+def _gather_convert(src, rows, out, mean, scale, transpose, channel_in_a):  # pragma: no cover - compiled
+    """``out[i] = (src[rows[i]] - mean[channel]) * scale[channel]`` over ``src`` viewed as (n, a, b), written
+    as (n, b, a) when ``transpose``: gather, cast, channel move and normalisation in one pass. The arithmetic
+    is in ``mean``'s dtype (numba's promotion: uint8/int16 with float32 stays float32)."""
     _, a_len, b_len = src.shape
     for i in range(rows.size):
         s = rows[i]
@@ -237,12 +245,12 @@ def _gather_convert(src, rows, out, scale, shift, transpose, channel_in_a):  # p
             for b in range(b_len):
                 for a in range(a_len):
                     c = a if channel_in_a else b
-                    out[i, b, a] = np.float32(src[s, a, b]) * scale[c] + shift[c]
+                    out[i, b, a] = (src[s, a, b] - mean[c]) * scale[c]
         else:
             for a in range(a_len):
                 for b in range(b_len):
                     c = a if channel_in_a else b
-                    out[i, a, b] = np.float32(src[s, a, b]) * scale[c] + shift[c]
+                    out[i, a, b] = (src[s, a, b] - mean[c]) * scale[c]
 
 
 def _fused(spec: OutputSpec, dtype: np.dtype) -> bool:
@@ -265,7 +273,7 @@ def _gather_into(x: np.ndarray, rows: np.ndarray, out: np.ndarray, spec: OutputS
         src = x.reshape(n, -1, x.shape[-1])
     m = rows.size
     dst = out.reshape(m, src.shape[2], src.shape[1]) if transpose else out.reshape(m, *src.shape[1:])
-    _gather_convert(src, rows, dst, *spec.channel_scale_shift, transpose, channels_first_stored)
+    _gather_convert(src, rows, dst, *spec.channel_mean_scale, transpose, channels_first_stored)
 
 
 def _prepare_host(x: np.ndarray, spec: OutputSpec) -> np.ndarray:
@@ -274,12 +282,12 @@ def _prepare_host(x: np.ndarray, spec: OutputSpec) -> np.ndarray:
     if spec.identity and x.dtype == spec.host_dtype:
         return x
     out = np.empty((x.shape[0], *spec.item_shape), dtype=spec.host_dtype)
-    work = np.dtype(np.float32) if spec.scale is not None else out.dtype
+    work = spec.work if spec.scale is not None else out.dtype
     tmp = out if work == out.dtype else np.empty(out.shape, dtype=work)
     np.copyto(tmp, x.transpose(spec.perm), casting="unsafe")
     if spec.scale is not None:
-        tmp *= spec.scale
-        tmp += spec.shift
+        tmp -= spec.mean.astype(work)
+        tmp *= spec.scale.astype(work)
     if tmp is not out:
         out[...] = tmp
     return out
@@ -479,13 +487,14 @@ class Loader:
             return OutputSpec(name, False, tuple(range(ndim)), view.dtype, view.shape[1:])
         perm, channel_axis = _layout_perm(_data_layout(view), ndim, layout)
         item_shape = tuple(view.shape[p] for p in perm[1:])
-        scale, shift = _normalisation(mean, std, item_shape, channel_axis, name) if first else (None, None)
+        mean, scale = _normalisation(mean, std, item_shape, channel_axis, name) if first else (None, None)
         out = str(view.dtype) if dtype is None else dtype
         if out == "uint8" and (view.dtype != np.uint8 or scale is not None):
             raise DctchopError(f"dtype uint8 needs uint8 data without mean/std ({name} is {view.dtype})")
         if scale is not None and np.dtype(out if out != "bfloat16" else "float32").kind != "f":
             raise DctchopError(f"mean/std need a floating-point dtype, got {out}")
-        return OutputSpec(name, True, perm, out, item_shape, channel_axis, scale, shift)
+        work = np.dtype(np.float64 if view.dtype.kind == "f" and view.dtype.itemsize >= 4 else np.float32)
+        return OutputSpec(name, True, perm, out, item_shape, channel_axis, mean, scale, work)
 
     def _check_torch_dtypes(self) -> None:
         """Refuse arrays torch has no tensor dtype for (bytes, strings, objects, compound records) here,

@@ -361,7 +361,7 @@ class DeviceStage:
         self.device, self.specs = device, specs
         self.n_samples, self.chunk_len = n_samples, chunk_len
         self.chunks: dict[int, dict[str, torch.Tensor]] = {}
-        self._norm = {s.name: (torch.as_tensor(s.scale, device=device), torch.as_tensor(s.shift, device=device))
+        self._norm = {s.name: tuple(torch.as_tensor(v.astype(s.work), device=device) for v in (s.mean, s.scale))
                       for s in specs if s.scale is not None}
 
     def prepare(self, loaded: dict[int, dict]) -> None:
@@ -375,8 +375,8 @@ class DeviceStage:
                 n = min(self.chunk_len, self.n_samples - c * self.chunk_len)
                 x = decoded[i, :n].permute(spec.perm)
                 if spec.name in self._norm:
-                    scale, shift = self._norm[spec.name]
-                    x = x.to(torch.float32) * scale + shift
+                    mean, scale = self._norm[spec.name]  # as on the host: subtract first, in spec.work
+                    x = (x.to(mean.dtype) - mean) * scale
                 self.chunks.setdefault(c, {})[spec.name] = x.to(torch_dtype(spec.dtype)).contiguous()
 
     def gather(self, spec, batch, chunk_len: int) -> torch.Tensor:

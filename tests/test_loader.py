@@ -124,6 +124,19 @@ def test_open_indexes_like_the_decoded_array(image_store, decoded):
         ds["nope"]
 
 
+KEYS = [np.s_[..., 0], np.s_[..., :2], np.s_[..., 1, :], np.s_[7, ..., 2], np.s_[:, ..., 0], np.s_[None, 3],
+        np.s_[None, 2:5, ..., None], np.s_[[1, 2], [3, 4]], np.s_[[1, 2], :, [3, 4]], np.s_[[1, 2], 5, :, [0, 2]],
+        np.s_[np.array(3)], np.s_[np.int8(-2), 1], np.s_[::-50, 1:3], np.s_[...], np.s_[()], np.s_[..., 5, 6, 1],
+        np.s_[np.arange(600) % 9 == 0, ..., 1], np.s_[[], 0], np.s_[1, [0, 3], [1, 2]]]
+
+
+@pytest.mark.parametrize("key", KEYS, ids=[repr(k) for k in KEYS])
+def test_view_indexing_is_numpys(image_store, decoded, key):
+    """Every key means what it means to numpy, ellipses and several integer arrays included."""
+    got, want = dctchop.open(image_store)[key], decoded[key]
+    assert got.shape == want.shape and np.array_equal(got, want)
+
+
 def test_lossless_arrays_read_across_their_own_chunks(tmp_path, monkeypatch):
     """A lossless copy has Zarr chunks of its own (here 50 samples against 64 per data chunk; the readers keep
     the last few): every data chunk's part is right, and what a read hands out is the caller's to change."""
@@ -499,6 +512,27 @@ def test_dtype_layout_and_normalisation(image_store, decoded):
     torch.testing.assert_close(x.float(), torch.from_numpy(decoded[:100].transpose(0, 3, 1, 2)).float())
 
 
+@pytest.mark.parametrize("stored", ["float32", "float64"])
+def test_normalising_data_far_from_zero_keeps_its_deviations(tmp_path, stored):
+    """(x - mean) / std, not x / std - mean / std: for pressures around 1e5 with a std of 1 the latter's
+    float32 rounding is a percent of a std, several times the codec's error at 90 dB."""
+    data = (1e5 + np.random.default_rng(5).normal(size=(24, 16, 16))).astype(stored)
+    np.save(tmp_path / "p.npy", data)
+    compress(open_source(str(tmp_path / "p.npy")), tmp_path / "p.zarr", CompressOptions(target=Target("psnr", 90)))
+    decoded = dctchop.open(tmp_path / "p.zarr")[:].astype(np.float64)
+    mean, std = decoded.mean(), decoded.std()
+    exact = (decoded - mean) / std
+    kw = dict(batch_size=24, shuffle=False, mean=mean, std=std)
+    for dtype in ("float32", None):
+        (x,) = collect(dctchop.Loader(tmp_path / "p.zarr", dtype=dtype, **kw))[0]
+        assert x.dtype == (np.float32 if dtype else np.dtype(stored))
+        np.testing.assert_allclose(x, exact, rtol=0, atol=4 * np.finfo(x.dtype).eps * np.abs(exact).max())
+    if torch is not None:  # the device decode rounds its own way: values up to an ulp or two apart
+        (x,) = collect(dctchop.Loader(tmp_path / "p.zarr", dtype=None, output="torch", device="cpu", **kw))[0]
+        ulp = 2 * np.spacing(np.array(1e5, stored)) / std
+        np.testing.assert_allclose(x, exact, rtol=0, atol=max(ulp, 4 * np.finfo(stored).eps * np.abs(exact).max()))
+
+
 def test_scientific_fields_without_labels(field_store):
     data = np.load(field_store.parent / "fields.npy")
     loader = dctchop.Loader(field_store, batch_size=8, seed=1)
@@ -547,6 +581,7 @@ def test_a_damaged_chunk_is_reported_by_name(image_store, tmp_path):
     ({"batch_size": 4, "dtype": "int32"}, "dtype must be one of"),
     ({"batch_size": 4, "dtype": "bfloat16"}, "bfloat16 needs output='torch'"),
     ({"batch_size": 4, "mean": [1, 2]}, "mean/std need 1 or 3 values"),
+    ({"batch_size": 4, "mean": "abc"}, "mean and std must be numbers"),
     ({"batch_size": 4, "std": 0}, "std must be finite and non-zero"),
     ({"batch_size": 4, "dtype": "uint8", "mean": 3}, "uint8 needs uint8 data without mean/std"),
     ({"batch_size": 4, "layout": "NCHW"}, "layout must be one of"),
