@@ -154,7 +154,7 @@ class OutputSpec:
     channel_axis: int | None = None  # in the yielded layout (batch axis = 0)
     mean: np.ndarray | None = field(default=None, repr=False)  # (x - mean) * scale, float64 shaped to broadcast
     scale: np.ndarray | None = field(default=None, repr=False)
-    work: np.dtype = np.dtype(np.float32)  # what the normalisation computes in (see _normalisation)
+    work: str = "float32"  # the dtype the normalisation computes in (see _normalisation)
 
     @property
     def identity(self) -> bool:
@@ -282,7 +282,7 @@ def _prepare_host(x: np.ndarray, spec: OutputSpec) -> np.ndarray:
     if spec.identity and x.dtype == spec.host_dtype:
         return x
     out = np.empty((x.shape[0], *spec.item_shape), dtype=spec.host_dtype)
-    work = spec.work if spec.scale is not None else out.dtype
+    work = np.dtype(spec.work) if spec.scale is not None else out.dtype
     tmp = out if work == out.dtype else np.empty(out.shape, dtype=work)
     np.copyto(tmp, x.transpose(spec.perm), casting="unsafe")
     if spec.scale is not None:
@@ -493,7 +493,7 @@ class Loader:
             raise DctchopError(f"dtype uint8 needs uint8 data without mean/std ({name} is {view.dtype})")
         if scale is not None and np.dtype(out if out != "bfloat16" else "float32").kind != "f":
             raise DctchopError(f"mean/std need a floating-point dtype, got {out}")
-        work = np.dtype(np.float64 if view.dtype.kind == "f" and view.dtype.itemsize >= 4 else np.float32)
+        work = "float64" if view.dtype.kind == "f" and view.dtype.itemsize >= 4 else "float32"
         return OutputSpec(name, True, perm, out, item_shape, channel_axis, mean, scale, work)
 
     def _check_torch_dtypes(self) -> None:

@@ -522,7 +522,7 @@ def test_normalising_data_far_from_zero_keeps_its_deviations(tmp_path, stored):
     decoded = dctchop.open(tmp_path / "p.zarr")[:].astype(np.float64)
     mean, std = decoded.mean(), decoded.std()
     exact = (decoded - mean) / std
-    kw = dict(batch_size=24, shuffle=False, mean=mean, std=std)
+    kw = {"batch_size": 24, "shuffle": False, "mean": mean, "std": std}
     for dtype in ("float32", None):
         (x,) = collect(dctchop.Loader(tmp_path / "p.zarr", dtype=dtype, **kw))[0]
         assert x.dtype == (np.float32 if dtype else np.dtype(stored))
