@@ -138,9 +138,9 @@ def _chunk_bounds(index: int, chunk_len: int, length: int) -> tuple[int, int]:
 
 def main_array(arrays: dict) -> str:
     """A store's main compressed array, from its record's ``arrays`` (name -> summary with its ``shape``): the
-    one with the most values per sample, the first name on a tie; the images of a store that also compresses
-    their boxes, whichever name sorts first."""
-    return max(arrays, key=lambda name: math.prod(arrays[name]["shape"][1:]))
+    one with the most values per sample (the images of a store that also compresses their boxes, whichever
+    name sorts first), then the most samples (a train split rather than its test split), then the first."""
+    return max(arrays, key=lambda name: (math.prod(arrays[name]["shape"][1:]), arrays[name]["shape"][0]))
 
 
 def _array_name(name: str, links: dict[str, str]) -> str:

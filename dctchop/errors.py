@@ -7,3 +7,10 @@ class DctchopError(Exception):
 
 class CorruptChunkError(DctchopError):
     """An encoded chunk that cannot be decoded: wrong magic, bad header field, short payload."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line, for a one-line error that quotes it (h5py, numpy and
+    torch messages can run over many lines)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -46,7 +46,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     if output.is_dir():
         raise DctchopError(f"output {output} is a directory; name a .npy or .h5 file")
     if output.exists() and not overwrite:
-        raise DctchopError(f"output {output} exists; pass --overwrite to replace it")
+        raise DctchopError(f"output {output} exists; pass overwrite=True (--overwrite) to replace it")
     tmp = output.with_name(f".{output.name}.dctchop-tmp-{os.getpid()}")
     try:
         if suffix == ".npy":

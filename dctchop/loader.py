@@ -34,6 +34,7 @@ and device work, in batch order.
 
 from __future__ import annotations
 
+import posixpath
 import sys
 import threading
 from collections import deque
@@ -373,7 +374,7 @@ class Loader:
     prefetch : int
         Batches built ahead of the one being consumed.
     threads : int, optional
-        Threads that decode chunks and gather batches; default one per core, at most 4.
+        Threads that decode chunks and gather batches; default (None or 0) one per core, at most 4.
     rank, world_size : int
         This process's share in distributed training: shares of all ranks have the same size; they are
         disjoint and cover the data when ``world_size`` divides it, else padded or trimmed (``drop_last``).
@@ -381,8 +382,8 @@ class Loader:
         Array type of the batches. A ``device`` implies torch.
     device : str or torch.device, optional
         Where batches go. With ``device_decode`` (default) only the stored coefficients are copied there
-        and decoded by matmuls on the device; otherwise batches are decoded on the host into pinned memory
-        (for CUDA) and copied.
+        and decoded on the device (one fused Triton kernel per block group where Triton is installed, else
+        batched matmuls); otherwise batches are decoded on the host into pinned memory (for CUDA) and copied.
     worker, num_workers : int
         Sub-shares of this rank's share, each of its samples in one (:class:`dctchop.TorchDataset` sets
         these in DataLoader workers; their batch counts may differ, the DataLoader merges them).
@@ -402,7 +403,7 @@ class Loader:
         self.batch_size = _positive_int(batch_size, "batch_size")
         self.window = _positive_int(window, "window")
         self.prefetch = _positive_int(prefetch, "prefetch")
-        self.threads = (min(resolve_threads(None), DEFAULT_MAX_THREADS) if threads is None
+        self.threads = (min(resolve_threads(None), DEFAULT_MAX_THREADS) if threads is None or threads == 0
                         else _positive_int(threads, "threads"))
         self.world_size = _positive_int(world_size, "world_size")
         self.num_workers = _positive_int(num_workers, "num_workers")
@@ -428,6 +429,8 @@ class Loader:
         if layout not in LAYOUTS:
             raise DctchopError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         if dtype is not None:
+            if isinstance(dtype, type) and issubclass(dtype, np.generic):  # np.float32, as numpy takes it
+                dtype = np.dtype(dtype)
             dtype = str(dtype).removeprefix("torch.")
             if dtype not in OUTPUT_DTYPES:
                 raise DctchopError(f"dtype must be one of {', '.join(OUTPUT_DTYPES)} or None, got {dtype!r}")
@@ -461,7 +464,7 @@ class Loader:
         dataset's main array when there is none), and compressed ones in chunks of the same length."""
         ds = self.dataset
         if arrays is None:
-            names = [ds.main.name] + (["labels"] if "labels" in ds.lossless_names else [])
+            names = [ds.main.name, *self._labels()[:1]]
         else:
             names = [arrays] if isinstance(arrays, str) else list(arrays)
             if not names:
@@ -476,8 +479,16 @@ class Loader:
                                    f"axis 0 like {first.name}")
             if view.lossy and view.chunk_len != first.chunk_len:
                 raise DctchopError(f"array {name} is chunked by {view.chunk_len} samples, {first.name} by "
-                                   f"{first.chunk_len}; the loader needs them aligned")
+                                   f"{first.chunk_len}; the loader needs them aligned: compress them with "
+                                   f"--chunk-samples {first.chunk_len}")
         return names
+
+    def _labels(self) -> list[str]:
+        """The labels yielded by default: a lossless ``labels`` beside the main array (``train/labels`` for
+        ``train/images``), else at the root, with as many entries as the main array has samples."""
+        ds = self.dataset
+        candidates = dict.fromkeys([posixpath.join(posixpath.dirname(ds.main.name), "labels"), "labels"])
+        return [n for n in candidates if n in ds.lossless_names and ds.array(n).shape[:1] == ds.shape[:1]]
 
     def _spec(self, name: str, first: bool, dtype, layout: str, mean, std) -> OutputSpec:
         view = self.dataset.array(name)
@@ -510,9 +521,7 @@ class Loader:
     # order ---------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from now on (call it before each epoch, like ``DistributedSampler``)."""
-        if not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise DctchopError(f"epoch must be a non-negative integer, got {epoch!r}")
-        self.epoch = int(epoch)
+        self.epoch = epoch_number(epoch)
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
         """Sample indices this loader yields in ``epoch`` (default: the current one), in order (within a
@@ -668,6 +677,13 @@ class Loader:
         part, parts = self.rank * self.num_workers + self.worker, self.world_size * self.num_workers
         return (f"<dctchop.Loader {str(self.dataset.path)!r} arrays={self.names} batch_size={self.batch_size} "
                 f"epoch={self.epoch} share {part + 1}/{parts}: {self.n_samples} samples, {len(self)} batches>")
+
+
+def epoch_number(epoch) -> int:
+    """``epoch`` as an int; a :class:`DctchopError` unless it is a non-negative integer."""
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise DctchopError(f"epoch must be a non-negative integer, got {epoch!r}")
+    return int(epoch)
 
 
 def _positive_int(value, name: str) -> int:

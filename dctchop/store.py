@@ -356,7 +356,7 @@ def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
         if not output.is_url and not out.parent.is_dir():  # a file:// URL makes its parents, as object stores
             raise DctchopError(f"output directory {output.path.parent} does not exist")
     if output.exists() and not overwrite:
-        raise DctchopError(f"output {output} exists; pass --overwrite to replace it")
+        raise DctchopError(f"output {output} exists; pass overwrite=True (--overwrite) to replace it")
     if output.is_dir() and not is_dctchop_store(output):
         raise DctchopError(f"output {output} is a directory that is not a dctchop store; refusing to replace it")
 

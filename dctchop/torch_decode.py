@@ -26,6 +26,8 @@ matmul and the four passes over the output go. float64 data and other devices us
 from __future__ import annotations
 
 import math
+import multiprocessing
+import multiprocessing.context
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -34,7 +36,9 @@ import torch
 import torch.utils.data
 
 from dctchop.codec import StoredChunk
-from dctchop.errors import DctchopError
+from dctchop.dataset import Dataset
+from dctchop.errors import DctchopError, first_line
+from dctchop.loader import Loader, epoch_number
 from dctchop.transform import TransformPlan, dct_matrix, in_triangle, make_plan, work_dtype
 
 __all__ = ["BlockGroup", "DeviceDecoder", "DeviceStage", "StagedChunk", "TorchDataset", "block_groups",
@@ -49,7 +53,7 @@ def resolve_device(device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise DctchopError(f"device {device!r} is not a torch device ({e})") from None
+        raise DctchopError(f"device {device!r} is not a torch device ({first_line(e)})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
@@ -60,11 +64,14 @@ def resolve_device(device) -> torch.device:
     elif dev.type == "mps":
         if not torch.backends.mps.is_available():
             raise DctchopError(f"device {device!r} does not exist: MPS is not available")
+    elif dev.type == "meta":
+        raise DctchopError(f"device {device!r} holds no data: name the device that decodes the batches")
     elif dev.type != "cpu":
         try:
             torch.empty(1, device=dev)
         except Exception as e:  # noqa: BLE001 - each backend raises its own type
-            raise DctchopError(f"device {device!r} is not usable ({type(e).__name__}: {e})") from None
+            why = first_line(e).split(". ")[0]  # torch's dispatcher goes on to list every backend it has
+            raise DctchopError(f"device {device!r} is not usable ({type(e).__name__}: {why})") from None
     return dev
 
 
@@ -408,15 +415,15 @@ class TorchDataset(torch.utils.data.IterableDataset):
     once), decoding on its own threads, and yields torch tensors. Batches are formed inside each worker,
     so each worker's last batch may be short (or dropped with ``drop_last``).
 
-    Call :meth:`set_epoch` before each epoch (workers are started per epoch unless ``persistent_workers``,
-    which would keep the epoch they started with). Decoding happens on the host in the workers; let the
+    Call :meth:`set_epoch` before each epoch. The epoch lives in shared memory, so workers kept alive
+    across epochs (``persistent_workers=True``) see it too. Decoding happens on the host in the workers; let the
     DataLoader pin (``pin_memory=True``) and move batches to the GPU, or use :class:`dctchop.Loader` with
     ``device=`` in the main process for device decode.
 
     Parameters
     ----------
     path, batch_size, shuffle, seed, drop_last
-        As for :class:`dctchop.Loader`.
+        As for :class:`dctchop.Loader` (``path`` may be a :class:`dctchop.Dataset`).
     **options
         Any other :class:`dctchop.Loader` option except ``device``, ``output``, ``worker`` and
         ``num_workers``; ``threads`` defaults to 1 per worker.
@@ -425,26 +432,41 @@ class TorchDataset(torch.utils.data.IterableDataset):
     def __init__(self, path, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  **options) -> None:
         super().__init__()
-        from dctchop.loader import Loader
-
         for name in ("device", "output", "worker", "num_workers"):
             if name in options:
                 raise DctchopError(f"TorchDataset does not take {name}= (workers decode on the host and "
                                    "yield torch tensors)")
         options.setdefault("threads", 1)
-        self._args = dict(path=str(path), batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+        path = path if isinstance(path, Dataset) else str(path)  # a Dataset pickles by its path
+        self._args = dict(path=path, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                           output="torch", **options)
         Loader(**self._args)  # check every setting here, not in the workers
-        self.epoch = 0
+        self._epoch = multiprocessing.RawValue("q", 0)  # shared with the DataLoader's workers
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration uses (as with ``DistributedSampler``)."""
-        self.epoch = int(epoch)
+        """Choose the epoch whose order the next iteration uses (as with ``DistributedSampler``), in this
+        process and in the DataLoader's workers, persistent ones included."""
+        self._epoch.value = epoch_number(epoch)
+
+    def __getstate__(self) -> dict:
+        """Shared memory travels only to a process being started (a DataLoader worker); any other copy
+        (``copy.deepcopy``, ``pickle``) gets an epoch of its own, starting at this one."""
+        state = dict(self.__dict__)
+        if multiprocessing.context.get_spawning_popen() is None:
+            state["_epoch"] = self.epoch
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state["_epoch"], int):
+            state["_epoch"] = multiprocessing.RawValue("q", state["_epoch"])
+        self.__dict__.update(state)
 
     def loader(self, worker: int = 0, num_workers: int = 1):
         """The :class:`dctchop.Loader` of one worker's part."""
-        from dctchop.loader import Loader
-
         loader = Loader(**self._args, worker=worker, num_workers=num_workers)
         loader.set_epoch(self.epoch)
         return loader

@@ -24,7 +24,7 @@ import posixpath
 
 import numpy as np
 
-from dctchop.errors import DctchopError
+from dctchop.errors import DctchopError, first_line
 from dctchop.formats import (
     _DROP,
     Source,
@@ -55,11 +55,6 @@ def _h5py():
     return h5py
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def _norm(name: str) -> str:
     """``"a//b/"`` -> ``"/a/b"``: leading slash optional, empty components ignored."""
     return "/" + "/".join(p for p in name.split("/") if p)
@@ -70,7 +65,7 @@ def _open_file(file: str):
     try:
         return h5py.File(file, "r")
     except OSError as exc:
-        msg = _one_line(exc)
+        msg = first_line(exc)
         if "signature not found" in msg:
             raise DctchopError(f"{file}: not an HDF5 file (file signature not found)") from None
         if isinstance(exc, PermissionError) or "ermission denied" in msg:
@@ -266,7 +261,7 @@ class _Walk:
             try:
                 link = grp.get(key, getlink=True)
             except _H5_ERRORS as exc:  # pragma: no cover - damaged link table
-                self.problems.append((path, f"cannot be read ({_one_line(exc)})"))
+                self.problems.append((path, f"cannot be read ({first_line(exc)})"))
                 continue
             if isinstance(link, h5py.SoftLink):  # in-file alias: its target is taken at its own hard-link path
                 self.soft_links.append((path, posixpath.normpath(posixpath.join(prefix, link.path))))
@@ -286,7 +281,7 @@ class _Walk:
                     if isinstance(link, h5py.ExternalLink)
                     else "cannot be opened"
                 )
-                self.problems.append((path, f"is an {what} ({_one_line(exc)})"))
+                self.problems.append((path, f"is an {what} ({first_line(exc)})"))
                 continue
             if obj.id in self._paths:
                 self.hard_links.append((path, self._paths[obj.id]))
@@ -358,13 +353,13 @@ def _lookup(f, path: str, follow_external: bool, file: str, walk: _Walk, depth: 
             except _H5_ERRORS as exc:
                 raise DctchopError(
                     f"{file}: {path}: external link {here} to {link.filename}:{link.path} cannot be followed "
-                    f"({_one_line(exc)})"
+                    f"({first_line(exc)})"
                 ) from None
         else:
             try:
                 nxt = obj[part]
             except _H5_ERRORS as exc:
-                raise DctchopError(f"{file}: {path}: cannot open {here} ({_one_line(exc)})") from None
+                raise DctchopError(f"{file}: {path}: cannot open {here} ({first_line(exc)})") from None
         obj = nxt
     return obj
 
@@ -454,7 +449,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         raise
     except _H5_ERRORS as exc:  # h5py errors on a damaged file
         f.close()
-        raise DctchopError(f"{file}: cannot read HDF5 structure ({_one_line(exc)})") from None
+        raise DctchopError(f"{file}: cannot read HDF5 structure ({first_line(exc)})") from None
     f.close()
     return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups,
                   follow_external=follow_external, left_out=tuple(sorted(left_out)), links=links)
@@ -474,7 +469,7 @@ class _Handle:
             try:
                 ds = self.h5[name]
             except _H5_ERRORS as exc:
-                raise DctchopError(f"{self.file}: cannot open dataset {name} ({_one_line(exc)})") from None
+                raise DctchopError(f"{self.file}: cannot open dataset {name} ({first_line(exc)})") from None
             got_shape, got_dtype = _effective(ds)
             if got_shape != tuple(shape) or native_dtype(got_dtype) != dtype:
                 raise DctchopError(
@@ -514,6 +509,6 @@ def read_hdf5(
             out[...] = ds[sel]
     except _H5_ERRORS as exc:
         raise DctchopError(
-            f"{file}: cannot read dataset {name} rows {start}:{stop} ({_one_line(exc)})"
+            f"{file}: cannot read dataset {name} rows {start}:{stop} ({first_line(exc)})"
         ) from None
     return out

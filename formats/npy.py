@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from dctchop.errors import DctchopError
+from dctchop.errors import DctchopError, first_line
 from dctchop.formats import Source, SourceArray, cached_handle, close_all, native_dtype
 
 __all__ = ["open_npy", "read_header", "read_npy"]
@@ -41,7 +41,7 @@ def read_header(file: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
             try:
                 version = fmt.read_magic(fh)
             except ValueError as exc:
-                raise DctchopError(f"{file}: not a valid .npy file ({_one_line(exc)})") from None
+                raise DctchopError(f"{file}: not a valid .npy file ({first_line(exc)})") from None
             try:
                 if version == (1, 0):
                     shape, fortran, dtype = fmt.read_array_header_1_0(fh)
@@ -55,11 +55,11 @@ def read_header(file: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
                 raise
             except Exception as exc:  # noqa: BLE001 - numpy's header parser on untrusted bytes raises
                 # ValueError, SyntaxError, tokenize.TokenError, TypeError, ... : all mean a damaged header
-                raise DctchopError(f"{file}: damaged .npy header ({_one_line(exc)})") from None
+                raise DctchopError(f"{file}: damaged .npy header ({first_line(exc)})") from None
             offset = fh.tell()
             size = os.fstat(fh.fileno()).st_size
     except OSError as exc:
-        raise DctchopError(f"{file}: cannot read ({exc.strerror or _one_line(exc)})") from None
+        raise DctchopError(f"{file}: cannot read ({exc.strerror or first_line(exc)})") from None
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise DctchopError(
@@ -124,7 +124,7 @@ def _load(file: str) -> np.ndarray:
     except DctchopError:
         raise
     except (OSError, ValueError) as exc:
-        raise DctchopError(f"{file}: cannot map .npy data ({_one_line(exc)})") from None
+        raise DctchopError(f"{file}: cannot map .npy data ({first_line(exc)})") from None
 
 
 def read_npy(file: str, dtype: np.dtype, shape: tuple[int, ...], start: int, stop: int) -> np.ndarray:
@@ -156,8 +156,3 @@ def read_npy(file: str, dtype: np.dtype, shape: tuple[int, ...], start: int, sto
                 raise DctchopError(f"{file}: data ends early (truncated while reading rows {start}..{stop})")
             got += n
     return out if file_dtype == dtype else out.astype(dtype)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

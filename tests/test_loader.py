@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import itertools
 import math
+import pickle
 import re
 import runpy
 import subprocess
@@ -166,9 +167,12 @@ def test_a_split_of_its_own_length_loads_by_name(tmp_path):
         f["train/images"], f["train/index"] = images[:200], np.arange(200)
     store = tmp_path / "split.zarr"
     compress(open_source(str(tmp_path / "in.h5")), store, CompressOptions(chunk_samples=32))
-    assert dctchop.open(store).main.name == "test/images" and len(dctchop.open(store)) == 70
+    assert dctchop.open(store).main.name == "train/images" and len(dctchop.open(store)) == 200  # the larger
+    test = dctchop.open(store, main="test/images")
+    assert len(test) == 70
     train = dctchop.open(store, main="train/images")
     assert len(train) == 200
+    assert dctchop.Loader(store, batch_size=8).names == ["train/images"]  # no labels anywhere
     loader = dctchop.Loader(store, batch_size=16, arrays=["train/images", "train/index"], dtype=None,
                             layout="stored")
     assert len(loader) == 13 and loader.dataset.main.name == "train/images"
@@ -179,6 +183,18 @@ def test_a_split_of_its_own_length_loads_by_name(tmp_path):
     assert sorted(seen) == list(range(200))
     with pytest.raises(DctchopError, match="no compressed array 'train/index' to be the main one"):
         dctchop.open(store, main="train/index")
+
+
+def test_default_labels_are_the_ones_beside_the_main_array(tmp_path):
+    images = np.random.default_rng(2).integers(0, 256, (50, 16, 16), dtype=np.uint8)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["train/images"], f["train/labels"] = images[:40], np.arange(40)
+        f["test/images"], f["test/labels"] = images[40:], np.arange(10)
+        f["labels"] = np.arange(10)  # at the root, but of the test split's length
+    compress(open_source(str(tmp_path / "in.h5")), tmp_path / "s.zarr", CompressOptions(chunk_samples=16))
+    assert dctchop.Loader(tmp_path / "s.zarr", batch_size=8).names == ["train/images", "train/labels"]
+    test = dctchop.open(tmp_path / "s.zarr", main="/test/images")
+    assert dctchop.Loader(test, batch_size=8).names == ["test/images", "test/labels"]
 
 
 def test_open_refuses_what_is_not_a_store(tmp_path):
@@ -593,10 +609,18 @@ def test_clear_errors(image_store, kwargs, message):
 
 @needs_torch
 @pytest.mark.parametrize("device, message", [("cuda:99", "device 'cuda:99' does not exist"),
-                                             ("not-a-device", "'not-a-device' is not a torch device")])
+                                             ("not-a-device", "'not-a-device' is not a torch device"),
+                                             ("meta", "'meta' holds no data"),
+                                             ("xla", "'xla' is not usable .NotImplementedError: Could not run")])
 def test_a_device_that_does_not_exist(image_store, device, message):
-    with pytest.raises(DctchopError, match=message):
+    with pytest.raises(DctchopError, match=message) as info:
         dctchop.Loader(image_store, batch_size=4, device=device)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 300  # torch's own runs to thousands
+
+
+def test_dtype_and_threads_as_numpy_and_the_rest_of_the_library_take_them(image_store):
+    loader = dctchop.Loader(image_store, batch_size=4, dtype=np.float16, threads=0)
+    assert next(iter(loader))[0].dtype == np.float16 and loader.threads >= 1
 
 
 @pytest.fixture(scope="module")
@@ -791,6 +815,29 @@ def test_torch_dataloader_workers_share_the_epoch(image_store, num_workers):
         if num_workers:
             parts = [ds.loader(w, num_workers).indices() for w in range(num_workers)]
             assert sorted(np.concatenate(parts).tolist()) == list(range(N_IMAGES))
+
+
+@needs_torch
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_persistent_workers_follow_set_epoch(image_store, context):
+    """Workers kept across epochs read the epoch set in the main process (it lives in shared memory)."""
+    ds = dctchop.TorchDataset(dctchop.open(image_store), batch_size=100, seed=4, arrays=["index"])
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                                         multiprocessing_context=context)
+    orders = []
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        got = [sorted(b.tolist()) for b in loader]
+        parts = [ds.loader(w, 2).indices().reshape(-1, 100) for w in range(2)]  # 3 batches each, taken in turns
+        assert got == [sorted(parts[w][k].tolist()) for k in range(3) for w in range(2)]
+        orders.append(got)
+    assert orders[0] != orders[1] != orders[2]
+    copy = pickle.loads(pickle.dumps(ds))  # not a worker: an epoch of its own, starting at this one
+    copy.set_epoch(7)
+    assert (copy.epoch, ds.epoch) == (7, 2)
+    for bad in (-1, 2.7, "a", True):
+        with pytest.raises(DctchopError, match="epoch must be a non-negative integer"):
+            ds.set_epoch(bad)
 
 
 # ---------------------------------------------------------------------------------------------- example

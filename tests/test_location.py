@@ -83,7 +83,7 @@ def test_memory_url_overwrite_and_refusals(tmp_path, source_h5, memory_root):
     fs, root = memory_root
     url = f"memory://{root}/out.zarr"
     compress(open_source(str(source_h5)), url, CompressOptions(target=Target("psnr", 30.0)))
-    with pytest.raises(DctchopError, match="exists; pass --overwrite"):
+    with pytest.raises(DctchopError, match="exists; pass overwrite=True \\(--overwrite\\)"):
         compress(open_source(str(source_h5)), url, CompressOptions())
     second = compress(open_source(str(source_h5)), url, CompressOptions(target=Target("psnr", 45.0)), overwrite=True)
     assert inspect_store(url)["arrays"]["images"]["psnr_min"] == second["arrays"]["images"]["psnr_min"] >= 45.0
