@@ -107,9 +107,10 @@ cli.add_command(sweep)
 @click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=True))
 @click.argument("output", type=click.Path())
 @click.option("--dataset", "datasets", multiple=True, metavar="PATH",
-              help="HDF5 dataset to compress lossily (repeatable); others that would be are left out, 1-D "
-                   "ones are still copied. Default: every numeric dataset with ndim >= 2, but per-sample "
-                   "tables (N, F) beside N images.")
+              help="HDF5 dataset to compress lossily (repeatable); others that would be are left out, the "
+                   "ones copied losslessly by default (1-D, per-sample tables, empty) are still copied. Default: "
+                   "every dataset with ndim >= 2 of a dtype the codec takes, but per-sample tables (N, F) beside "
+                   "N images.")
 @click.option("--lossless", multiple=True, metavar="PATH", help="HDF5 dataset to copy losslessly (repeatable).")
 @click.option("--follow-external", is_flag=True, help="Follow HDF5 external links and virtual datasets.")
 @click.option("--axes", metavar="A,B[,C]", callback=check_axes,
@@ -119,13 +120,14 @@ cli.add_command(sweep)
 @click.option("--psnr", type=float, help="Every chunk at least this PSNR (dB), fewest bytes.")
 @click.option("--block", default="8", show_default=True, metavar="B[,B..]", help="Block size per axis, 2..64.")
 @click.option("--mask", type=click.Choice(["square", "triangle"]), default="square", show_default=True,
-              help="Which coefficients --keep keeps: square (i < k per axis) or triangle (sum i/k < 1).")
+              help="Which coefficients of each block are stored, with --keep as with --psnr/--ratio: square "
+                   "(i < k per axis) or triangle (sum i/k < 1; caps PSNR, e.g. near 35 dB on the sample images).")
 @click.option("--precision", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int16"]),
               help="Coefficient storage. Default: float16 with --keep, int16 with --ratio/--psnr.")
 @click.option("--chunk-samples", type=int, help="Samples per chunk (default: about 4 MB of input).")
 @click.option("--zstd-level", type=int, metavar="LEVEL",
-              help="Level of the lossless zstd stage after the codec (default 1). Negative levels (zstd's fast ones) decode "
-                   "about 3.5x faster for 6-8% more bytes on float fields (20-30% on images); higher ones shrink "
+              help="Level of the lossless zstd stage after the codec (default 1). Negative levels (zstd's fast ones): the zstd "
+                   "stage decodes about 3.5x faster, for 6-8% more bytes on float fields (20-30% on images); higher ones shrink "
                    "images by a few percent and encode slower.")
 @click.option("--workers", type=int, default=0, show_default=True, help="Encoding threads (0: one per core).")
 @click.option("--scheduler", metavar="threads|processes|ADDRESS",

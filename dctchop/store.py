@@ -159,12 +159,27 @@ def _chunks(shape, axes, block, dtype, chunk_samples) -> tuple[int, ...]:
     return (max(1, min(chunk_samples, shape[0])), *shape[1:])
 
 
+def align_chunks(plans: list[ArrayPlan]) -> None:
+    """Chunk arrays of the same samples alike (images and their masks, at the smaller of their default
+    chunk lengths), so that a loader reads chunk k of each together. Arrays transformed along axis 0 (a
+    field's Z) keep their own."""
+    stacks: dict[int, list[ArrayPlan]] = {}
+    for plan in plans:
+        if 0 not in plan.axes:
+            stacks.setdefault(plan.source.shape[0], []).append(plan)
+    for same in stacks.values():
+        length = min(plan.chunks[0] for plan in same)
+        for plan in same:
+            plan.chunks = (length, *plan.chunks[1:])
+
+
 def plan_array(source: Source, array: SourceArray, options: CompressOptions) -> ArrayPlan:
     """Check one array against the options and decide its transform, chunking and codec settings."""
     name = array_name(source, array)
     if array.dtype not in DTYPE_CODES:
-        raise DctchopError(f"{name}: unsupported dtype {array.dtype}; supported: "
-                           f"{', '.join(map(str, DTYPE_CODES))}")
+        copy = f"; copy it bit-exactly with --lossless {name}" if source.kind == "hdf5" else ""
+        raise DctchopError(f"{name}: unsupported dtype {array.dtype} for lossy compression; supported: "
+                           f"{', '.join(map(str, DTYPE_CODES))}{copy}")
     if 0 in array.shape:
         raise DctchopError(f"{name}: array is empty (shape {list(array.shape)})")
     colour = None
@@ -630,6 +645,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     if not plans:
         raise DctchopError(f"{source.path}: nothing to compress lossily (no numeric array with 2 or more "
                            "dimensions); name one with --dataset")
+    align_chunks(plans)
     workers = resolve_threads(options.workers)
     remove_stale_temporaries(output)
     tmp = _temporary_sibling(output)

@@ -13,13 +13,17 @@ the file and, where there is one, the dataset.
 
 HDF5 selection rules (see :func:`open_source`):
 
-* Default: every dataset in the file is accounted for. Numeric (unsigned/signed integer, float) datasets
-  with ``ndim >= 2`` are lossy, except empty ones and per-sample tables; numeric datasets with
-  ``ndim <= 1``, empty ones, enums, bool, complex, fixed-width strings and compound/opaque types that h5py
-  reads as a fixed-width numpy dtype are lossless (copied bit-exactly); datasets named in ``lossless`` are
-  lossless whatever their shape. A per-sample table is a 2-D numeric (N, F) dataset in a file where an
-  image or field stack (3 or more dimensions) has N samples too, or where F < 8 and another dataset has N
-  entries: boxes, one-hot labels, features, which a DCT across samples would mix. A dataset h5py can only
+* Default: every dataset in the file is accounted for. Datasets with ``ndim >= 2`` of a dtype the codec
+  takes (uint8, uint16, int16, float16, float32, float64) are lossy, except empty ones, per-sample tables
+  and per-pixel integer maps; datasets with ``ndim <= 1``, empty ones, other integers (int8, int32, int64,
+  uint32, uint64), enums, bool, complex, fixed-width strings and compound/opaque types that h5py reads as a
+  fixed-width numpy dtype are lossless (copied bit-exactly); datasets named in ``lossless`` are lossless
+  whatever their shape. A per-sample table is a 2-D numeric (N, F) dataset in a file where an image or
+  field stack (3 or more dimensions) has N samples too, or where F < 8 and another dataset has N entries:
+  boxes, one-hot labels, features, which a DCT across samples would mix. A per-pixel integer map is an
+  integer (N, H, W), (N, H, W, 1) or (N, 1, H, W) dataset beside a colour image stack (N, H, W, C) or
+  (N, C, H, W) with 2 to 4 channels: masks and class ids, which lossy coding would turn into other
+  classes. A dataset h5py can only
   read as an object array (variable-length strings or sequences, references) or with a null dataspace
   cannot be copied bit-exactly, and a dataset or group named like a file of the store (``zarr.json``,
   ``dctchop_meta`` at the root) cannot be stored: both are refused, naming them; name the lossy datasets

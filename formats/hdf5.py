@@ -24,6 +24,7 @@ import posixpath
 
 import numpy as np
 
+from dctchop.codec import DTYPE_CODES
 from dctchop.errors import DctchopError, first_line
 from dctchop.formats import (
     _DROP,
@@ -154,12 +155,18 @@ def _lossy_refusal(ds) -> str | None:
 
 
 class _Samples:
-    """The first-axis lengths of a file's datasets, to tell per-sample tables from images."""
+    """The shapes of a file's datasets, to tell per-sample tables and per-pixel maps from images."""
 
     def __init__(self, datasets) -> None:
         shapes = [_effective(ds)[0] for _, ds in datasets if ds.shape is not None]
         self.stacks = {s[0] for s in shapes if len(s) >= 3}  # image or field stacks: N samples
         self.lengths = [s[0] for s in shapes if s]
+        self.pixels: set[tuple[int, ...]] = set()  # (N, H, W) of the colour image stacks, NHWC or NCHW
+        for s in shapes:
+            if len(s) == 4 and 2 <= s[3] <= 4:
+                self.pixels.add(s[:3])
+            if len(s) == 4 and 2 <= s[1] <= 4:
+                self.pixels.add((s[0], *s[2:]))
 
     def per_sample(self, shape: tuple[int, ...]) -> bool:
         """Whether a 2-D dataset (N, F) holds F values per sample (boxes, one-hot labels, features) rather
@@ -169,14 +176,28 @@ class _Samples:
         n, f = shape
         return n in self.stacks or (f < DCT_BLOCK and self.lengths.count(n) > 1)
 
+    def per_pixel(self, shape: tuple[int, ...], dtype: np.dtype) -> bool:
+        """Whether an integer dataset holds one value per pixel of a colour image stack in the file, shaped
+        (N, H, W), (N, H, W, 1) or (N, 1, H, W): segmentation masks, class or instance ids, which a lossy
+        codec would turn into other classes, so they are copied bit-exactly. (Beside a grey (N, H, W)
+        stack a mask has the same shape as the images: name it with --lossless.)"""
+        if dtype.kind not in "iu":
+            return False
+        if len(shape) == 4 and shape[3] == 1:
+            shape = shape[:3]
+        elif len(shape) == 4 and shape[1] == 1:
+            shape = (shape[0], *shape[2:])
+        return tuple(shape) in self.pixels
+
 
 def _is_default_lossy(ds, samples: _Samples) -> bool:
-    """Numeric, 2 or more dimensions, not empty (an empty array costs nothing to copy), and not a per-sample
-    table."""
+    """Of a dtype the codec takes (other integers, bool, complex, ... are copied as they are), 2 or more
+    dimensions, not empty (an empty array costs nothing to copy), and neither a per-sample table nor a
+    per-pixel integer map."""
     shape, dtype = _effective(ds)
-    if dtype.kind not in "uif" or len(shape) < 2 or _h5py().check_enum_dtype(ds.dtype) is not None:
+    if native_dtype(dtype) not in DTYPE_CODES or len(shape) < 2 or _h5py().check_enum_dtype(ds.dtype) is not None:
         return False
-    return 0 not in shape and not (len(shape) == 2 and samples.per_sample(shape))
+    return 0 not in shape and not (len(shape) == 2 and samples.per_sample(shape)) and not samples.per_pixel(shape, dtype)
 
 
 def _store_name_problem(path: str) -> str | None:

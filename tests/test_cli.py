@@ -217,7 +217,7 @@ def data(tmp_path_factory) -> SimpleNamespace:
     multi = SimpleNamespace(
         nchw=np.ascontiguousarray(smooth_images(16, seed=2).transpose(0, 3, 1, 2)),
         nzyx=smooth_field((4, 16, 16, 16), seed=3),
-        nhw=smooth_images(16, seed=4)[..., 0].copy(),
+        nhw=smooth_images(16, seed=4)[:, :24, :28, 0].copy(),  # the colour stack's size would make it a mask
     )
     with h5py.File(d / "multi.h5", "w") as f:
         f.create_dataset("nchw", data=multi.nchw)
@@ -420,7 +420,7 @@ def test_compress_layouts_nchw_nzyx_nhw(data, tmp_path):
     lines = layout_lines(p)
     assert "[16, 3, 32, 32] uint8, layout NCHW, transformed axes [1, 2, 3]" in lines["nchw"]
     assert "[4, 16, 16, 16] float32, layout NZYX, transformed axes [1, 2, 3]" in lines["nzyx"]
-    assert "[16, 32, 32] uint8, layout NHW, transformed axes [1, 2]" in lines["nhw"]
+    assert "[16, 24, 28] uint8, layout NHW, transformed axes [1, 2]" in lines["nhw"]
     info = info_of(out)
     expect = {"nchw": ([1, 2, 3], "NCHW", 40.0), "nzyx": ([1, 2, 3], "NZYX", 60.0), "nhw": ([1, 2], "NHW", 40.0)}
     for name, (axes, layout, target) in expect.items():
@@ -683,6 +683,13 @@ def test_failed_compress_unsupported_dtype_leaves_nothing(tmp_path):
     np.save(src, np.arange(8 * 16 * 16, dtype=np.int32).reshape(8, 16, 16))
     out = tmp_path / "fail.zarr"
     user_error(run("compress", src, out), "unsupported dtype int32")
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+    h5 = tmp_path / "ints.h5"
+    with h5py.File(h5, "w") as f:
+        f["images"] = np.zeros((8, 16, 16), np.uint8)
+        f["ids"] = np.load(src)
+    user_error(run("compress", h5, out, "--dataset", "ids"), "unsupported dtype int32 for lossy compression",
+               "copy it bit-exactly with --lossless ids")
     assert not out.exists() and not leftovers(tmp_path, out.name)
 
 

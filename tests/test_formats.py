@@ -540,6 +540,30 @@ def test_hdf5_root_attribute_named_like_the_store_record_is_refused(tmp_path):
         open_source(path)
 
 
+def test_hdf5_masks_and_other_integers_are_copied_by_default(tmp_path):
+    """Integer maps with one value per pixel of a colour image stack (masks, class ids) and dtypes the codec
+    does not take (int32, int64, int8, ...) are copied bit-exactly by default; a grey stack beside colour
+    images of another size, and float maps, stay lossy."""
+    path = tmp_path / "seg.h5"
+    rng = np.random.default_rng(2)
+    with h5py.File(path, "w") as f:
+        f["rgb"] = rng.integers(0, 256, (6, 16, 20, 3), dtype=np.uint8)
+        f["nchw"] = rng.integers(0, 256, (6, 4, 12, 10), dtype=np.uint8)
+        f["masks"] = rng.integers(0, 5, (6, 16, 20), dtype=np.uint8)
+        f["ids"] = rng.integers(0, 5, (6, 1, 12, 10), dtype=np.uint16)
+        f["classes"] = rng.integers(0, 5, (6, 16, 20, 1), dtype=np.int16)
+        f["depth"] = rng.random((6, 16, 20), dtype=np.float32)  # continuous: lossy
+        f["grey"] = rng.integers(0, 256, (6, 16, 16), dtype=np.uint8)  # another size: an image stack
+        for dtype in ("int8", "int32", "int64", "uint32", "uint64"):
+            f[dtype] = np.arange(6 * 64, dtype=dtype).reshape(6, 8, 8)
+    src = open_source(path)
+    assert names(src.lossy) == ["/depth", "/grey", "/nchw", "/rgb"]
+    assert sorted(names(src.lossless)) == ["/classes", "/ids", "/int32", "/int64", "/int8", "/masks", "/uint32",
+                                           "/uint64"]
+    (named,) = open_source(path, datasets=["masks"]).lossy  # naming one still compresses it
+    assert named.name == "/masks"
+
+
 def test_hdf5_big_endian_and_zero_d(tmp_path):
     path = tmp_path / "be.h5"
     data = np.arange(24, dtype=">i4").reshape(4, 6)

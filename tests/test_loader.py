@@ -197,6 +197,21 @@ def test_default_labels_are_the_ones_beside_the_main_array(tmp_path):
     assert dctchop.Loader(test, batch_size=8).names == ["test/images", "test/labels"]
 
 
+def test_arrays_of_the_same_samples_are_chunked_alike_and_load_together(tmp_path):
+    """By default each array's chunk holds about 4 MB, so images and a one-channel float map of them would be
+    chunked by different lengths; compress aligns them to the smaller, so the loader takes them together."""
+    rng = np.random.default_rng(6)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"] = rng.integers(0, 256, (3000, 32, 32, 3), dtype=np.uint8)
+        f["depth"] = rng.random((3000, 32, 32), dtype=np.float32)
+        f["masks"] = rng.integers(0, 4, (3000, 32, 32), dtype=np.uint8)  # a per-pixel map: copied as it is
+    compress(open_source(str(tmp_path / "in.h5")), tmp_path / "s.zarr")
+    ds = dctchop.open(tmp_path / "s.zarr")
+    assert ds["images"].chunk_len == ds["depth"].chunk_len == 1024 and not ds["masks"].lossy  # depth: 4 MB
+    x, depth, masks = next(iter(dctchop.Loader(ds, batch_size=500, arrays=["images", "depth", "masks"], seed=3)))
+    assert x.shape == (500, 3, 32, 32) and depth.shape == (500, 32, 32) and masks.shape == (500, 32, 32)
+
+
 def test_open_refuses_what_is_not_a_store(tmp_path):
     with pytest.raises(DctchopError, match="does not exist"):
         dctchop.open(tmp_path / "missing.zarr")
