@@ -210,12 +210,18 @@ def inspect(store, as_json, show_chunks, verify_source):
         click.echo(json.dumps(json_safe(report), indent=2))
     else:
         _print_report(report, show_chunks)
-    damaged = {k: a["damaged_chunks"] for k, a in report["arrays"].items() if a["damaged_chunks"]}
+    damaged = {k: a["damaged_chunks"] for k, a in (*report["arrays"].items(), *report["lossless"].items())
+               if a["damaged_chunks"]}
     if damaged:
         raise DctchopError(f"damaged store: {describe_damage(store, damaged)}")
     if verify_source and any(v["mismatches"] for v in report["verify"].values()):
         bad = {k: len(v["mismatches"]) for k, v in report["verify"].items() if v["mismatches"]}
         raise DctchopError(f"verification failed: {bad} chunk(s) differ from the stored metadata")
+
+
+def _print_damage(array: dict) -> None:
+    for d in array["damaged_chunks"]:
+        click.echo(f"  DAMAGED{'' if d['chunk'] is None else ' chunk ' + str(d['chunk'])}: {d['problem']}")
 
 
 def _print_report(report: dict, show_chunks: bool) -> None:
@@ -230,8 +236,7 @@ def _print_report(report: dict, show_chunks: bool) -> None:
         click.echo(f"  {fmt_mb(a['original_bytes'])} -> {fmt_mb(a['stored_bytes'])}, ratio {a['ratio']:.2f}")
         click.echo(f"  PSNR {fmt_db(a['psnr'])} dB (chunks min {fmt_db(a['psnr_min'])}, mean {fmt_db(a['psnr_mean'])}, "
                    f"max {fmt_db(a['psnr_max'])}), max abs error {a['max_abs_error']:.4g}")
-        for d in a["damaged_chunks"]:
-            click.echo(f"  DAMAGED{'' if d['chunk'] is None else ' chunk ' + str(d['chunk'])}: {d['problem']}")
+        _print_damage(a)
         if show_chunks and "chunk_table" in a:
             t = a["chunk_table"]
             click.echo(f"  {'chunk':>6} {'psnr':>8} {'max_err':>10} {'rmse':>10} {'bytes':>10} {'step':>10}")
@@ -241,6 +246,7 @@ def _print_report(report: dict, show_chunks: bool) -> None:
     for name, a in report["lossless"].items():
         click.echo(f"\n{name}: {a['shape']} {a['dtype']}, lossless, {fmt_mb(a['original_bytes'])} -> "
                    f"{fmt_mb(a['stored_bytes'])}")
+        _print_damage(a)
     if report["links"]:
         click.echo("\nlinks (names that read their target): " + ", ".join(
             f"{link['path']} -> {link['target']} ({link['kind']})" for link in report["links"]))

@@ -31,10 +31,10 @@ import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from dctchop.codec import DctChopCodec, StoredChunk, decode_chunk, read_stored
-from dctchop.errors import CorruptChunkError, DctchopError
+from dctchop.errors import CorruptChunkError, DctchopError, first_line
 from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
-from dctchop.store import chunk_file, unframe
+from dctchop.store import LosslessCopy, chunk_file, every_chunk_written, unframe
 from dctchop.transform import channels_first_axes, resolve_threads
 
 __all__ = ["ArrayView", "Dataset", "open"]
@@ -108,8 +108,9 @@ class _LosslessArray:
     of 16384 images for each of their 12 data chunks was 1.8 ms of a 9 ms image chunk).
     """
 
-    def __init__(self, name: str, array: zarr.Array, chunk_len: int) -> None:
+    def __init__(self, root: Location, name: str, array: LosslessCopy, chunk_len: int, complete: bool) -> None:
         self.name, self.array = name, array
+        self._root, self._complete = root, complete  # complete: every chunk file written (store format 3 on)
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
         self.chunk_len = chunk_len
         self.direct = False
@@ -117,7 +118,15 @@ class _LosslessArray:
         self._zarr_chunk = lru_cache(maxsize=CACHED_CHUNKS)(self._read_zarr_chunk)
 
     def _read_zarr_chunk(self, k: int) -> np.ndarray:
-        return np.asarray(self.array[k * self._zarr_len : (k + 1) * self._zarr_len])
+        """Zarr chunk ``k``: a missing file is damage (Zarr would return fill values), so is a bad crc32c."""
+        key = self.array.chunk_file(self.name, k)
+        if self._complete and self.array.n_chunks and not self._root.exists(key):
+            raise DctchopError(f"array {self.name}: chunk {k} is missing ({self._root}/{key}); the store is damaged "
+                               "or incomplete")
+        try:
+            return np.asarray(self.array[k * self._zarr_len : (k + 1) * self._zarr_len])
+        except ValueError as e:  # zarr's crc32c codec on a corrupted file
+            raise CorruptChunkError(f"array {self.name}: chunk {k} ({self._root}/{key}): {first_line(e)}") from None
 
     def decode(self, index: int) -> np.ndarray:
         """Samples of data chunk ``index``: a new array (the kept Zarr chunks are never handed out)."""
@@ -327,8 +336,10 @@ class Dataset:
                                f"{', '.join(self.lossy_names)}")
         self.main = self._views[main]
         for name in self.lossless_names:
-            array = self._zarr_array(group, name)
-            self._views[name] = ArrayView(_LosslessArray(name, array, self.main.chunk_len), None, self._threads)
+            self._zarr_array(group, name)  # a clear error when it is missing
+            reader = _LosslessArray(Location(self.path), name, LosslessCopy(group, info, name), self.main.chunk_len,
+                                    every_chunk_written(info))
+            self._views[name] = ArrayView(reader, None, self._threads)
 
     def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:
         try:

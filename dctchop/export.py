@@ -13,15 +13,20 @@ import numpy as np
 from dctchop.errors import DctchopError
 from dctchop.inspect import open_store, require_intact
 from dctchop.location import Location
-from dctchop.store import META_GROUP, _chunk_ranges
+from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges
 
 
-def _copy_rows(src, write, chunk_rows: int) -> None:
+def _copy_rows(src, write, chunk_rows: int, where: str) -> None:
+    """``src`` into ``write`` chunk by chunk; a chunk that does not decode is named (``where``: store and array)."""
     if not src.shape:  # a scalar: h5py takes no slice for it, only ...
         write(..., src[...])
         return
-    for s, e in _chunk_ranges(src.shape[0], max(chunk_rows, 1)):
-        write(slice(s, e), src[s:e])
+    for i, (s, e) in enumerate(_chunk_ranges(src.shape[0], max(chunk_rows, 1))):
+        try:
+            rows = src[s:e]
+        except DctchopError as exc:  # the codec's own message knows the bytes, not where they are
+            raise type(exc)(f"{where}, chunk {i}: {exc}") from None
+        write(slice(s, e), rows)
 
 
 def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -> list[str]:
@@ -49,10 +54,15 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
         raise DctchopError(f"output {output} exists; pass overwrite=True (--overwrite) to replace it")
     tmp = output.with_name(f".{output.name}.dctchop-tmp-{os.getpid()}")
     try:
+        lossless = set(info.get("lossless", []))
+
+        def array(name: str):
+            return LosslessCopy(group, info, name) if name in lossless else group[name]
+
         if suffix == ".npy":
-            arr = group[names[0]]
+            arr = array(names[0])
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=arr.dtype, shape=arr.shape)
-            _copy_rows(arr, out.__setitem__, arr.chunks[0] if arr.shape else 1)
+            _copy_rows(arr, out.__setitem__, arr.chunks[0] if arr.shape else 1, f"{store}: array {names[0]}")
             out.flush()
             del out
         else:
@@ -62,10 +72,10 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
                     if path != META_GROUP:
                         _copy_group(g, h5.require_group(path))
                 for name in names:
-                    arr = group[name]
+                    arr = array(name)
                     ds = h5.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
                     ds.attrs.update({k: _h5_attr(v) for k, v in arr.attrs.items()})
-                    _copy_rows(arr, ds.__setitem__, arr.chunks[0] if arr.shape else 1)
+                    _copy_rows(arr, ds.__setitem__, arr.chunks[0] if arr.shape else 1, f"{store}: array {name}")
                 for link in info.get("links", []):  # targets are stored objects, so they exist by now
                     target = link["target"]
                     h5[link["path"]] = h5py.SoftLink(target) if link["kind"] == "soft" else h5[target]

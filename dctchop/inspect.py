@@ -15,10 +15,12 @@ from dctchop.store import (
     META_FIELDS,
     META_GROUP,
     ZSTD_LEVEL,
+    LosslessCopy,
     _chunk_metrics,
     _chunk_ranges,
     array_bytes,
     array_problems,
+    lossless_problems,
 )
 
 
@@ -80,9 +82,12 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
         arrays[name] = entry
     lossless = {}
     for name in info.get("lossless", []):
-        arr = group[name]
-        lossless[name] = {"shape": list(arr.shape), "dtype": str(arr.dtype),
-                          "original_bytes": int(arr.nbytes), "stored_bytes": location.size(name)}
+        problems = lossless_problems(location, info, name)
+        opened = not any(p["chunk"] is None for p in problems)
+        arr = LosslessCopy(group, info, name) if opened else None
+        lossless[name] = {"shape": list(arr.shape) if opened else None, "dtype": str(arr.dtype) if opened else None,
+                          "original_bytes": int(arr.nbytes) if opened else 0, "stored_bytes": location.size(name),
+                          "damaged_chunks": problems}
     original = sum(a["original_bytes"] for a in arrays.values()) + sum(a["original_bytes"] for a in lossless.values())
     stored = location.size()
     report = {
@@ -90,7 +95,7 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
         "source": info.get("source"), "arrays": arrays, "lossless": lossless, "links": info.get("links", []),
         "totals": {"original_bytes": original, "stored_bytes": stored, "ratio": original / stored},
     }
-    if verify is not None and not any(a["damaged_chunks"] for a in arrays.values()):
+    if verify is not None and not any(a["damaged_chunks"] for a in (*arrays.values(), *lossless.values())):
         report["verify"] = _verify(group, info, verify)
     return report
 
@@ -99,6 +104,10 @@ def require_intact(path: str | Path, info: dict) -> None:
     """Raise naming the array and chunk when any chunk of the store is missing or damaged."""
     for name, a in info["arrays"].items():
         problems = array_problems(Location(path), name, a["shape"], a["chunks"])
+        if problems:
+            raise DctchopError(describe_damage(path, {name: problems}))
+    for name in info.get("lossless", []):
+        problems = lossless_problems(Location(path), info, name)
         if problems:
             raise DctchopError(describe_damage(path, {name: problems}))
 
@@ -141,7 +150,11 @@ def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
         mismatches = []
         for i, (s, e) in enumerate(_chunk_ranges(a["shape"][0], a["chunks"][0])):
             x = src.read(s, e)
-            psnr, max_err, _ = _chunk_metrics(x, arr[s:e], a["peak"])
+            try:
+                y = arr[s:e]
+            except DctchopError as exc:  # the codec's own message knows the bytes, not where they are
+                raise type(exc)(f"array {name}, chunk {i}: {exc}") from None
+            psnr, max_err, _ = _chunk_metrics(x, y, a["peak"])
             stored_psnr, stored_err = float(table["psnr"][i]), float(table["max_abs_error"][i])
             same_psnr = (psnr == stored_psnr) or math.isclose(psnr, stored_psnr, rel_tol=1e-6, abs_tol=1e-6)
             same_err = math.isclose(max_err, stored_err, rel_tol=1e-6, abs_tol=1e-9 * max(a["peak"], 1.0))
@@ -151,7 +164,8 @@ def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
         report[name] = {"chunks": len(table["psnr"]), "mismatches": mismatches}
     for name in info.get("lossless", []):
         src = next((a for a in source.lossless if a.name.strip("/") == name), None)
+        copy = LosslessCopy(group, info, name)
         if src is not None and not np.array_equal(src.read(0, src.shape[0]) if src.shape else src.read(0, 1),
-                                                  group[name][...]):
+                                                  copy[...]):
             report[name] = {"chunks": 1, "mismatches": [{"lossless": "differs from source"}]}
     return report

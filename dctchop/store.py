@@ -56,7 +56,9 @@ from dctchop.layout import colour_axis, infer_axes
 from dctchop.location import Location
 from dctchop.transform import make_plan, per_axis, resolve_threads
 
-STORE_FORMAT = 2  # 2: chunk files of the lossy and metadata arrays named c.I.0.0 ("." separator); 1: c/I/0/0
+# 3: every chunk of the lossless copies is written, even one of fill values, so a missing one is damage;
+# 2: chunk files of the lossy and metadata arrays named c.I.0.0 ("." separator); 1: c/I/0/0
+STORE_FORMAT = 3
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
 META_GROUP = "dctchop_meta"
 SINGLE_ARRAY_NAME = "data"
@@ -368,6 +370,9 @@ def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
         src = Path(source_path).resolve()
         if out == src or src in out.parents or out in src.parents:
             raise DctchopError(f"output {output} must not be the input, inside it, or contain it")
+        holder = next((p for p in out.parents if (p / "zarr.json").is_file()), None)
+        if holder is not None:  # it would become part of that store (its groups, its totals, its --overwrite)
+            raise DctchopError(f"output {output} must not be inside the Zarr store {holder}")
         if not output.is_url and not out.parent.is_dir():  # a file:// URL makes its parents, as object stores
             raise DctchopError(f"output directory {output.path.parent} does not exist")
     if output.exists() and not overwrite:
@@ -433,6 +438,10 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
             what = "array metadata" if field_name is None else f"metadata array {field_name}"
             problems.append({"chunk": None, "problem": f"{what} cannot be opened ({type(e).__name__}: {e})"})
+            continue
+        if field_name is None and (list(array.shape), list(array.chunks)) != (list(shape), list(chunks)):
+            problems.append({"chunk": None, "problem": f"array metadata says shape {list(array.shape)} in chunks "
+                             f"{list(array.chunks)}, the store's record {list(shape)} in {list(chunks)}"})
     n_chunks = -(-shape[0] // chunks[0])
     for i in range(n_chunks):
         try:
@@ -447,6 +456,34 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
         if missing:
             problems.append({"chunk": i, "problem": f"per-chunk metadata missing: {', '.join(missing)}"})
     return problems
+
+
+def lossless_problems(root: Location, info: dict, name: str) -> list[dict]:
+    """Everything damaged about a lossless copy, as :func:`array_problems` finds it for a lossy array: its
+    metadata cannot be opened, or a chunk file fails its crc32c or zstd. A missing chunk file is damage in
+    stores that write every chunk (store format 3 on); before, Zarr left out chunks of fill values, which
+    look the same."""
+    try:
+        copy = LosslessCopy(root.open_group("r"), info, name)
+    except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
+        return [{"chunk": None, "problem": f"array metadata cannot be opened ({type(e).__name__}: {e})"}]
+    problems = []
+    for i in range(copy.n_chunks):
+        try:
+            unframe(root.read(copy.chunk_file(name, i)))
+        except FileNotFoundError:
+            if every_chunk_written(info):
+                problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
+        except OSError as e:
+            problems.append({"chunk": i, "problem": f"unreadable ({e.strerror or e})"})
+        except CorruptChunkError as e:
+            problems.append({"chunk": i, "problem": str(e)})
+    return problems
+
+
+def every_chunk_written(info: dict) -> bool:
+    """Whether a store (its record ``info``) writes every chunk of its lossless copies: format 3 on."""
+    return info.get("store_format", 1) >= 3
 
 
 def chunk_file(path: str, array: zarr.Array, per_file: int, index: int) -> str:
@@ -508,8 +545,9 @@ def _read_and_encode(plan: ArrayPlan, i: int, start: int, stop: int) -> tuple[by
     psnr, rmse = _psnr_rmse(sse, x.size, plan.peak)
     target = plan.settings.target_psnr
     if target is not None and psnr < target - PSNR_TOLERANCE_DB:
+        mask = " and the triangle mask" if plan.settings.mask == "triangle" else ""
         raise DctchopError(f"{plan.name}: --psnr {target:g} is above what this data allows with "
-                           f"{plan.settings.precision} (chunk {i} reaches {psnr:.2f} dB); ask for less")
+                           f"{plan.settings.precision}{mask} (chunk {i} reaches {psnr:.2f} dB); ask for less")
     steps = read_header(data).steps
     return data, {"chunk": i, "nbytes": x.nbytes, "sse": rmse * rmse * x.size, "psnr": psnr,
                   "max_abs_error": max_err, "rmse": rmse,
@@ -610,20 +648,59 @@ def _encode_and_write(root: Location, plan: ArrayPlan, items: list[tuple[int, in
 
 def _write_lossless(group: zarr.Group, source: Source, array: SourceArray, zstd_level: int,
                     progress: Callable[[int], None]) -> None:
+    """A bit-exact copy in chunks of about 4 MB along axis 0, every chunk written; records (structured and
+    opaque dtypes) as their bytes, see :class:`LosslessCopy`."""
     name = array_name(source, array)
     sample_bytes = max(math.prod(array.shape[1:]) * array.dtype.itemsize, 1)
     chunk0 = max(1, min(array.shape[0] if array.shape else 1, DEFAULT_CHUNK_BYTES // sample_bytes))
     chunks = (chunk0, *array.shape[1:]) if array.shape else ()
-    arr = group.create_array(name, shape=array.shape, chunks=chunks, dtype=array.dtype,
+    records = array.dtype.kind == "V"
+    tail = (array.dtype.itemsize,) if records else ()
+    arr = group.create_array(name, shape=(*array.shape, *tail), chunks=(*chunks, *tail) if chunks or tail else (),
+                             dtype=np.uint8 if records else array.dtype,
                              compressors=[ZstdCodec(level=zstd_level), Crc32cCodec()], fill_value=0,
-                             attributes=array.attrs)
+                             attributes=array.attrs, config={"write_empty_chunks": True})
+
+    def as_stored(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x).view(np.uint8).reshape(*x.shape, *tail) if records else x
+
     if not array.shape:
-        arr[...] = array.read(0, 1)
+        arr[...] = as_stored(array.read(0, 1))
         return
     for s, e in _chunk_ranges(array.shape[0], chunk0):
         x = array.read(s, e)
-        arr[s:e] = x
+        arr[s:e] = as_stored(x)
         progress(x.nbytes)
+
+
+class LosslessCopy:
+    """A store's lossless copy as its source had it. Records (structured and opaque dtypes: HDF5 compound and
+    opaque data) are stored as their bytes, uint8 with a trailing axis of the record size, their dtype in the
+    store's record (``record_dtypes``): Zarr versions disagree on how to store structs (a zarr 3.4 store
+    of them did not open in zarr 3.1) and cannot store opaque data at all."""
+
+    def __init__(self, group: zarr.Group, info: dict, name: str) -> None:
+        self.array = group[name]
+        descr = info.get("record_dtypes", {}).get(name)
+        self.records = descr is not None
+        self.dtype = np.lib.format.descr_to_dtype(descr) if self.records else np.dtype(self.array.dtype)
+        cut = -1 if self.records else None
+        self.shape, self.chunks = tuple(self.array.shape[:cut]), tuple(self.array.chunks[:cut])
+        self.ndim, self.nbytes = len(self.shape), math.prod(self.shape) * self.dtype.itemsize
+        self.attrs = self.array.attrs
+        # the chunk files there are: an empty copy has none, even with an axis 0
+        self.n_chunks = 0 if not self.nbytes else -(-self.shape[0] // self.chunks[0]) if self.ndim else 1
+
+    def __getitem__(self, key) -> np.ndarray:
+        """Samples ``key`` along axis 0 (a slice, or ``...``)."""
+        x = np.asarray(self.array[key])
+        return np.ascontiguousarray(x).view(self.dtype)[..., 0] if self.records else x
+
+    def chunk_file(self, path: str, index: int) -> str:
+        """The file of Zarr chunk ``index`` along axis 0 (the only chunked axis) of the copy at ``path``."""
+        zarr_ndim = self.array.ndim
+        return f"{path}/" + self.array.metadata.encode_chunk_key((index,) + (0,) * (zarr_ndim - 1) if self.ndim else
+                                                                 (0,) * zarr_ndim)
 
 
 def compress(source: Source, output: str | os.PathLike, options: CompressOptions = CompressOptions(),
@@ -643,8 +720,9 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
                                f"{META_GROUP}; name the datasets to keep with --dataset/--lossless to leave it out")
     plans = plans if plans is not None else [plan_array(source, a, options) for a in source.lossy]
     if not plans:
-        raise DctchopError(f"{source.path}: nothing to compress lossily (no numeric array with 2 or more "
-                           "dimensions); name one with --dataset")
+        why = (f"every array is copied losslessly: {', '.join(array_name(source, a) for a in source.lossless)}"
+               if source.lossless else "no numeric array with 2 or more dimensions")
+        raise DctchopError(f"{source.path}: nothing to compress lossily ({why}); name one with --dataset")
     align_chunks(plans)
     workers = resolve_threads(options.workers)
     remove_stale_temporaries(output)
@@ -740,6 +818,8 @@ def _jsonable(value):
 
 def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
     original = sum(a["original_bytes"] for a in arrays.values())
+    records = {array_name(source, a): np.lib.format.dtype_to_descr(a.dtype) for a in source.lossless
+               if a.dtype.kind == "V"}  # the dtypes of copies stored as bytes (LosslessCopy)
     return {
         "store_format": STORE_FORMAT,
         "version": __version__,
@@ -748,6 +828,7 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
                    "follow_external": source.follow_external},
         "arrays": arrays,
         "lossless": [array_name(source, a) for a in source.lossless],
+        **({"record_dtypes": records} if records else {}),
         **({"links": [{"path": path, "target": target, "kind": kind} for path, target, kind in source.links]}
            if source.links else {}),
         "totals": {

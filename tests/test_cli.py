@@ -671,6 +671,18 @@ def test_overwrite_regular_file_leaves_nothing_behind(data, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ow.zarr"]
 
 
+def test_compress_refuses_an_output_inside_a_store_and_says_why_nothing_is_lossy(data, tmp_path):
+    store = tmp_path / "a.zarr"
+    ok(run("compress", data.field_npy, store, "--quiet"))
+    before = snapshot(store)
+    user_error(run("compress", data.field_npy, store / "inner.zarr"), "must not be inside the Zarr store")
+    assert snapshot(store) == before
+    user_error(run("compress", data.field_npy, tmp_path / "b.zarr", "--lossless", "field"),
+               "nothing to compress lossily (every array is copied losslessly: data)")
+    user_error(run("compress", data.field_npy, tmp_path / "c.zarr", "--mask", "triangle", "--psnr", "90"),
+               "above what this data allows with int16 and the triangle mask")
+
+
 def test_failed_compress_unreachable_ratio_leaves_nothing(data, tmp_path):
     out = tmp_path / "fail.zarr"
     user_error(run("compress", data.npy, out, "--ratio", "1e9"), "unreachable")
@@ -809,7 +821,7 @@ def test_inspect_json_matches_recomputation(data, base):
         assert len(a["chunk_table"]["stored_bytes"]) == 4
     assert set(report["lossless"]) == {"labels", "extra/ids", "extra/sub/t"}
     assert report["lossless"]["labels"] == {"shape": [64], "dtype": "int64", "original_bytes": 512,
-                                            "stored_bytes": tree_bytes(base.store / "labels")}
+                                            "stored_bytes": tree_bytes(base.store / "labels"), "damaged_chunks": []}
     t = report["totals"]
     original = data.images.nbytes + data.aux.nbytes + data.labels.nbytes + data.ids.nbytes + data.times.nbytes
     assert t["original_bytes"] == original
@@ -970,6 +982,35 @@ def test_hdf5_links_are_recorded_read_and_restored(tmp_path):
         assert f.get("data/imgs", getlink=True).path == "/data/images"
         assert isinstance(f.get("labels_too", getlink=True), h5py.HardLink) and f["labels_too"] == f["data/labels"]
         assert np.array_equal(f["train/imgs"][:], decoded(store, "data/images")) and "dangling" not in f
+
+
+def test_records_are_copied_as_bytes_and_read_back_as_records(tmp_path):
+    """HDF5 compound (nested, with a sub-array field) and opaque datasets: plain Zarr sees their bytes, dctchop
+    reads and decompresses them with their dtype; a scalar compound too."""
+    import dctchop
+
+    rec = np.zeros(12, dtype=[("v", "<f4", (3,)), ("n", [("x", "u1"), ("y", "<i2")])])
+    rec["v"], rec["n"]["x"] = np.arange(36).reshape(12, 3), np.arange(12)
+    blob = np.array([np.void(bytes([i, 255 - i, 7])) for i in range(12)])
+    one = np.array((1.5, 2), dtype=[("a", "<f8"), ("b", "<i4")])
+    src, store, out = tmp_path / "rec.h5", tmp_path / "rec.zarr", tmp_path / "out.h5"
+    with h5py.File(src, "w") as f:
+        f["images"] = np.random.default_rng(1).integers(0, 256, (12, 16, 16), dtype=np.uint8)
+        f["rec"], f["blob"], f["one"] = rec, blob, one
+    ok(run("compress", src, store, "--quiet"))
+    assert zarr.open(str(store), mode="r")["rec"].dtype == np.uint8  # the bytes, for plain Zarr
+    report = json.loads(ok(run("inspect", store, "--json")).stdout)
+    assert report["lossless"]["rec"]["dtype"] == str(rec.dtype) and report["lossless"]["rec"]["shape"] == [12]
+    ds = dctchop.open(store)
+    for name, want in (("rec", rec), ("blob", blob), ("one", one)):
+        got = ds[name][...]
+        assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes(), name
+    assert ds["rec"][3:5].tobytes() == rec[3:5].tobytes()
+    ok(run("inspect", store, "--verify", src))
+    ok(run("decompress", store, out))
+    with h5py.File(out, "r") as f:
+        for name, want in (("rec", rec), ("blob", blob), ("one", one)):
+            assert f[name].dtype == want.dtype and f[name][()].tobytes() == want.tobytes(), name
 
 
 def test_decompress_multi_array_store_to_npy_is_an_error(base, tmp_path):

@@ -596,6 +596,84 @@ def test_damaged_store_structure(tmp_path, good_store, damage):
         assert_no_output(out)
 
 
+@pytest.fixture(scope="module")
+def labelled_store(tmp_path_factory) -> Path:
+    """Images in 4 chunks beside labels and ids copied losslessly in 2 Zarr chunks each; the ids' first chunk
+    is all zeros, which Zarr would leave out unless told to write every chunk."""
+    d = tmp_path_factory.mktemp("labelled")
+    rng = np.random.default_rng(8)
+    with h5py.File(d / "in.h5", "w") as f:
+        f["images"] = smooth((32, 16, 16), "uint8")
+        f["labels"] = rng.integers(0, 10, (32, 40000)).astype(np.int32)  # 2 Zarr chunks of about 4 MB
+        f["ids"] = np.r_[np.zeros((26, 20000), np.int64), np.ones((6, 20000), np.int64)]  # Zarr chunks 26 + 6
+    ok(run("compress", d / "in.h5", d / "s.zarr", "--chunk-samples", "8", "--lossless", "labels", "--quiet"))
+    return d / "s.zarr"
+
+
+LOSSLESS_DAMAGE = {
+    "chunk deleted": ("labels", "chunk 1", "missing"),
+    "one bit flipped": ("labels", "chunk 0", "crc32c"),
+    "zarr.json deleted": ("labels", "array metadata cannot be opened"),
+}
+
+
+@pytest.mark.parametrize("damage", list(LOSSLESS_DAMAGE))
+def test_damaged_lossless_copies_are_found(tmp_path, labelled_store, damage):
+    """Zarr reads a missing chunk as fill values and raises a bare ValueError on a bad crc32c: inspect,
+    decompress and the reader name the damage instead of handing out zeros or failing as an internal error."""
+    import dctchop
+    from dctchop.errors import DctchopError
+
+    assert run("inspect", labelled_store).returncode == 0
+    assert sorted(os.listdir(labelled_store / "ids" / "c")) == ["0", "1"]  # the all-zero chunk 0 is written
+    store = copy_store(labelled_store, tmp_path)
+    if damage == "chunk deleted":
+        (store / "labels" / "c" / "1" / "0").unlink()
+    elif damage == "one bit flipped":
+        path = store / "labels" / "c" / "0" / "0"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+    else:
+        (store / "labels" / "zarr.json").unlink()
+    words = LOSSLESS_DAMAGE[damage]
+    p = run("inspect", store)
+    user_error(p, "damaged store", *words)
+    assert any("DAMAGED" in line for line in p.stdout.splitlines())
+    out = tmp_path / "restored.h5"
+    user_error(run("decompress", store, out), *words)
+    assert_no_output(out)
+    if damage != "zarr.json deleted":
+        with pytest.raises(DctchopError, match=" ".join(words[:2]).replace("labels ", "labels: ")):
+            dctchop.open(store)["labels"][:]
+
+
+def test_a_chunk_that_passes_its_checksum_but_does_not_decode_is_named(tmp_path, good_store):
+    from dctchop.store import _stored_bytes, unframe
+
+    store = copy_store(good_store, tmp_path)
+    path = chunk_path(store, 2)
+    path.write_bytes(_stored_bytes(unframe(path.read_bytes())[:-40]))  # payload cut short, crc32c recomputed
+    out = tmp_path / "restored.npy"
+    user_error(run("decompress", store, out), "s.zarr: array data, chunk 2:")
+    assert_no_output(out)
+    user_error(run("inspect", store, "--verify", good_store.parent / "images.npy"), "array data, chunk 2:")
+
+
+def test_array_metadata_that_disagrees_with_the_record_is_damage(tmp_path, good_store):
+    """A shape in an array's zarr.json that is not the one the store recorded (decompress had written the
+    extra rows as zeros)."""
+    store = copy_store(good_store, tmp_path)
+    meta = store / "data" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["shape"][0] += 5
+    meta.write_text(json.dumps(doc))
+    user_error(run("inspect", store), "data", "array metadata says shape [69, 16, 16]", "record [64, 16, 16]")
+    out = tmp_path / "restored.npy"
+    user_error(run("decompress", store, out), "array metadata says shape")
+    assert_no_output(out)
+
+
 def _future_codec_version(store: Path) -> None:
     meta = store / "data" / "zarr.json"
     doc = json.loads(meta.read_text())
