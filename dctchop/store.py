@@ -817,7 +817,8 @@ def _jsonable(value):
 
 
 def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
-    original = sum(a["original_bytes"] for a in arrays.values())
+    lossy = sum(a["original_bytes"] for a in arrays.values())
+    original = lossy + sum(math.prod(a.shape) * a.dtype.itemsize for a in source.lossless)  # as inspect counts
     records = {array_name(source, a): np.lib.format.dtype_to_descr(a.dtype) for a in source.lossless
                if a.dtype.kind == "V"}  # the dtypes of copies stored as bytes (LosslessCopy)
     return {
@@ -833,6 +834,7 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
            if source.links else {}),
         "totals": {
             "original_bytes": original,
+            "lossy_original_bytes": lossy,
             "lossy_stored_bytes": sum(a["stored_bytes"] for a in arrays.values()),
             "seconds": seconds,
             "mb_per_s": original / 1e6 / seconds if seconds > 0 else math.inf,

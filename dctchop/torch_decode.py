@@ -416,7 +416,9 @@ class TorchDataset(torch.utils.data.IterableDataset):
     so each worker's last batch may be short (or dropped with ``drop_last``).
 
     Call :meth:`set_epoch` before each epoch. The epoch lives in shared memory, so workers kept alive
-    across epochs (``persistent_workers=True``) see it too. Decoding happens on the host in the workers; let the
+    across epochs (``persistent_workers=True``) see it too. There is no ``len()``: the batch count depends
+    on how many workers split the share (each one's last batch may be short); with ``k`` workers it is
+    ``sum(len(ds.loader(w, k)) for w in range(k))``. Decoding happens on the host in the workers; let the
     DataLoader pin (``pin_memory=True``) and move batches to the GPU, or use :class:`dctchop.Loader` with
     ``device=`` in the main process for device decode.
 

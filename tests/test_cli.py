@@ -326,7 +326,9 @@ def test_compress_h5_defaults_store_layout_and_summary(data, base):
         on_disk = tree_bytes(store / name) + tree_bytes(store / "dctchop_meta" / name)
         assert a["stored_bytes"] == on_disk
         assert a["ratio"] == pytest.approx(a["original_bytes"] / on_disk)
-    assert summary["totals"]["original_bytes"] == data.images.nbytes + data.aux.nbytes
+    assert summary["totals"]["lossy_original_bytes"] == data.images.nbytes + data.aux.nbytes
+    lossless = data.labels.nbytes + data.ids.nbytes + data.times.nbytes
+    assert summary["totals"]["original_bytes"] == data.images.nbytes + data.aux.nbytes + lossless  # as inspect
 
     # default targets: 40 dB for integer data, 60 dB for floating point
     images, aux = summary["arrays"]["images"], summary["arrays"]["extra/aux"]
