@@ -188,6 +188,8 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
                        f"max abs error {a['max_abs_error']:.4g}")
             if "note" in a:
                 click.echo(f"  note: {a['note']}")
+        if summary["lossless"]:
+            click.echo(f"copied bit-exactly: {', '.join(summary['lossless'])}")
         if source.left_out:
             click.echo(f"left out (--dataset names the datasets to compress): {', '.join(source.left_out)}")
         t = summary["totals"]

@@ -152,12 +152,12 @@ def main_array(arrays: dict) -> str:
     return max(arrays, key=lambda name: (math.prod(arrays[name]["shape"][1:]), arrays[name]["shape"][0]))
 
 
-def _array_name(name: str, links: dict[str, str]) -> str:
+def _array_name(name: str, links: dict[str, str], names) -> str:
     """A store's name for an array: HDF5's absolute ``/train/images`` is ``train/images`` there (the
     compressor strips the slash), and a name through a link of the source file (``links``: alias -> target,
-    absolute paths, as the store records them) is its target's name."""
-    if not isinstance(name, str):
-        return name
+    absolute paths, as the store records them) that is none of the store's ``names`` is its target's name."""
+    if not isinstance(name, str) or name.lstrip("/") in names:
+        return name.lstrip("/") if isinstance(name, str) else name
     path = "/" + name.lstrip("/")
     for _ in range(len(links)):  # each step replaces one alias, and targets are real paths
         alias = next((a for a in links if path == a or path.startswith(a.rstrip("/") + "/")), None)
@@ -192,6 +192,16 @@ def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
     if bad.any():
         raise IndexError(f"index {int(idx[bad][0])} is out of range for {n} samples")
     return idx % n, True
+
+
+def _is_rare_index(key) -> bool:
+    """A key numpy reads in ways the sample lookup does not: a bool (which adds an axis), an index array of
+    more than one dimension (which shapes the result)."""
+    if isinstance(key, (bool, np.bool_)):
+        return True
+    if isinstance(key, (list, np.ndarray)) or hasattr(key, "__array__"):
+        return np.ndim(key) > 1
+    return False
 
 
 def _is_bool_index(key) -> bool:
@@ -267,8 +277,10 @@ class ArrayView:
         """numpy's indexing: the samples the key selects along axis 0 are decoded, then the whole key is
         applied to them with that part renumbered."""
         if not self.shape:
-            return np.asarray(self._reader.array[key])
+            return np.asarray(self._reader.array[...])[key]
         key = key if isinstance(key, tuple) else (key,)
+        if any(_is_rare_index(k) for k in key):  # numpy's own rules on every sample
+            return self._samples(np.arange(self.shape[0]))[key]
         at = next((i for i, k in enumerate(key) if k is not None), len(key))
         if at < len(key) and key[at] is Ellipsis:
             consumed = sum(np.ndim(k) if _is_bool_index(k) else 1 for k in key if k is not None and k is not Ellipsis)
@@ -283,7 +295,8 @@ class ArrayView:
 
     def _samples(self, idx: np.ndarray) -> np.ndarray:
         """Samples ``idx`` (in that order), each chunk decoded once."""
-        out = np.empty((idx.size, *self.shape[1:]), dtype=self.dtype)
+        # zeros: the padding bytes of records stay defined (np.empty would leave whatever memory held)
+        out = (np.zeros if self.dtype.kind == "V" else np.empty)((idx.size, *self.shape[1:]), dtype=self.dtype)
         chunk_of = idx // self.chunk_len
         needed = np.unique(chunk_of)
         if needed.size > 1 and self._threads > 1:
@@ -328,9 +341,12 @@ class Dataset:
         self._views: dict[str, ArrayView] = {}
         for name in self.lossy_names:
             array = self._zarr_array(group, name)
+            if list(array.shape) != list(info["arrays"][name]["shape"]):
+                raise DctchopError(f"{self.path}: array {name}'s metadata says shape {list(array.shape)}, the "
+                                   f"store's record {info['arrays'][name]['shape']}; the store is damaged")
             self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array), info["arrays"][name],
                                           self._threads)
-        main = main_array(info["arrays"]) if main is None else _array_name(main, self._links)
+        main = main_array(info["arrays"]) if main is None else _array_name(main, self._links, self.lossy_names)
         if main not in self.lossy_names:
             raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "
                                f"{', '.join(self.lossy_names)}")
@@ -383,7 +399,7 @@ class Dataset:
     def array(self, name: str) -> ArrayView:
         """The array ``name`` (``/name`` too, as HDF5 writes it, or a name through a soft or hard link the
         source file had); a :class:`DctchopError` listing the store's arrays when there is none."""
-        key = _array_name(name, self._links)
+        key = _array_name(name, self._links, self._views)
         if key not in self._views:
             raise DctchopError(f"{self.path} has no array {name!r}; it has: {', '.join(self.arrays)}")
         return self._views[key]
@@ -394,7 +410,7 @@ class Dataset:
         return self.main[key]
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and _array_name(name, self._links) in self._views
+        return isinstance(name, str) and _array_name(name, self._links, self._views) in self._views
 
     def __array__(self, dtype=None, copy=None):
         return self.main.__array__(dtype)

@@ -468,9 +468,11 @@ def lossless_problems(root: Location, info: dict, name: str) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
         return [{"chunk": None, "problem": f"array metadata cannot be opened ({type(e).__name__}: {e})"}]
     problems = []
+    size = math.prod(copy.array.chunks) * np.dtype(copy.array.dtype).itemsize  # Zarr writes edge chunks whole
     for i in range(copy.n_chunks):
         try:
-            unframe(root.read(copy.chunk_file(name, i)))
+            if len(unframe(root.read(copy.chunk_file(name, i)))) != size:
+                problems.append({"chunk": i, "problem": f"decodes to the wrong size (not {size} bytes)"})
         except FileNotFoundError:
             if every_chunk_written(info):
                 problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
@@ -654,7 +656,7 @@ def _write_lossless(group: zarr.Group, source: Source, array: SourceArray, zstd_
     sample_bytes = max(math.prod(array.shape[1:]) * array.dtype.itemsize, 1)
     chunk0 = max(1, min(array.shape[0] if array.shape else 1, DEFAULT_CHUNK_BYTES // sample_bytes))
     chunks = (chunk0, *array.shape[1:]) if array.shape else ()
-    records = array.dtype.kind == "V"
+    records = stored_as_bytes(array.dtype)
     tail = (array.dtype.itemsize,) if records else ()
     arr = group.create_array(name, shape=(*array.shape, *tail), chunks=(*chunks, *tail) if chunks or tail else (),
                              dtype=np.uint8 if records else array.dtype,
@@ -673,15 +675,22 @@ def _write_lossless(group: zarr.Group, source: Source, array: SourceArray, zstd_
         progress(x.nbytes)
 
 
+def stored_as_bytes(dtype: np.dtype) -> bool:
+    """Whether a lossless copy of ``dtype`` is stored as its bytes (see :class:`LosslessCopy`): records
+    (structured and opaque dtypes) and extended precision (float128, complex256)."""
+    return dtype.kind == "V" or (dtype.kind == "f" and dtype.itemsize > 8) or (dtype.kind == "c" and dtype.itemsize > 16)
+
+
 class LosslessCopy:
     """A store's lossless copy as its source had it. Records (structured and opaque dtypes: HDF5 compound and
-    opaque data) are stored as their bytes, uint8 with a trailing axis of the record size, their dtype in the
-    store's record (``record_dtypes``): Zarr versions disagree on how to store structs (a zarr 3.4 store
-    of them did not open in zarr 3.1) and cannot store opaque data at all."""
+    opaque data) and extended-precision floats are stored as their bytes, uint8 with a trailing axis of the
+    item size, their dtype in the store's record (``stored_as_bytes``): Zarr versions disagree on how to
+    store structs (a zarr 3.4 store of them did not open in zarr 3.1), and Zarr has no type for opaque data,
+    float128 or complex256."""
 
     def __init__(self, group: zarr.Group, info: dict, name: str) -> None:
         self.array = group[name]
-        descr = info.get("record_dtypes", {}).get(name)
+        descr = info.get("stored_as_bytes", {}).get(name)
         self.records = descr is not None
         self.dtype = np.lib.format.descr_to_dtype(descr) if self.records else np.dtype(self.array.dtype)
         cut = -1 if self.records else None
@@ -820,7 +829,7 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
     lossy = sum(a["original_bytes"] for a in arrays.values())
     original = lossy + sum(math.prod(a.shape) * a.dtype.itemsize for a in source.lossless)  # as inspect counts
     records = {array_name(source, a): np.lib.format.dtype_to_descr(a.dtype) for a in source.lossless
-               if a.dtype.kind == "V"}  # the dtypes of copies stored as bytes (LosslessCopy)
+               if stored_as_bytes(a.dtype)}  # the dtypes of copies stored as bytes (LosslessCopy)
     return {
         "store_format": STORE_FORMAT,
         "version": __version__,
@@ -829,7 +838,7 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
                    "follow_external": source.follow_external},
         "arrays": arrays,
         "lossless": [array_name(source, a) for a in source.lossless],
-        **({"record_dtypes": records} if records else {}),
+        **({"stored_as_bytes": records} if records else {}),
         **({"links": [{"path": path, "target": target, "kind": kind} for path, target, kind in source.links]}
            if source.links else {}),
         "totals": {

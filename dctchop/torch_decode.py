@@ -449,10 +449,17 @@ class TorchDataset(torch.utils.data.IterableDataset):
     def epoch(self) -> int:
         return self._epoch.value
 
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.set_epoch(epoch)
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration uses (as with ``DistributedSampler``), in this
         process and in the DataLoader's workers, persistent ones included."""
-        self._epoch.value = epoch_number(epoch)
+        epoch = epoch_number(epoch)
+        if epoch >= 2**63:
+            raise DctchopError(f"epoch must be below 2**63, got {epoch}")
+        self._epoch.value = epoch
 
     def __getstate__(self) -> dict:
         """Shared memory travels only to a process being started (a DataLoader worker); any other copy

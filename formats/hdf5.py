@@ -268,9 +268,9 @@ class _Walk:
         self.groups: dict[str, dict] = {}
         self.datasets: list[tuple[str, object]] = []  # (path, h5py.Dataset)
         self.problems: list[tuple[str, str]] = []  # (path, reason) for links that could not be taken
-        self.hard_links: list[tuple[str, str]] = []  # (path, the object's first path) for extra hard links
         self.soft_links: list[tuple[str, str]] = []  # (path, absolute target path as written in the link)
-        self._paths: dict = {f["/"].id: "/"}  # object id -> the path it is taken under
+        self._paths: dict = {f["/"].id: "/"}  # object id -> the path it is taken under (its first hard link)
+        self._hard: dict = {}  # object id -> its other hard-link paths
         self._follow = follow_external
         self.groups["/"] = _attrs(f)
         self._walk(f, "/")
@@ -285,7 +285,8 @@ class _Walk:
                 self.problems.append((path, f"cannot be read ({first_line(exc)})"))
                 continue
             if isinstance(link, h5py.SoftLink):  # in-file alias: its target is taken at its own hard-link path
-                self.soft_links.append((path, posixpath.normpath(posixpath.join(prefix, link.path))))
+                if not {".", ".."} & set(link.path.split("/")):  # HDF5 has no such names: the link names nothing
+                    self.soft_links.append((path, posixpath.normpath(posixpath.join(prefix, link.path))))
                 continue
             if isinstance(link, h5py.ExternalLink) and not self._follow:
                 reason = (
@@ -305,7 +306,7 @@ class _Walk:
                 self.problems.append((path, f"is an {what} ({first_line(exc)})"))
                 continue
             if obj.id in self._paths:
-                self.hard_links.append((path, self._paths[obj.id]))
+                self._hard.setdefault(obj.id, []).append(path)
                 continue
             self._paths[obj.id] = path
             if isinstance(obj, h5py.Group):
@@ -315,18 +316,31 @@ class _Walk:
                 self.datasets.append((path, obj))
             # committed datatypes carry no data
 
-    def links(self, f, file: str) -> list[tuple[str, str, str]]:
-        """(path, the target object's path, "soft" or "hard") for every alias of a group or dataset taken in the
-        walk; soft links that dangle or lead out of the file (unless followed) are no alias of anything."""
-        found = [(path, target, "hard") for path, target in self.hard_links]
+    def links(self, f, file: str, stored_names: list) -> list[tuple[str, str, str]]:
+        """(path, the name it is stored under, "soft" or "hard") for every other name of a stored group or
+        dataset (``stored_names``: (object id, the name it is stored under), the first name of an object
+        stored twice counting). Soft links that dangle or lead out of the file (unless followed) name
+        nothing; a name that is, or leads to, a stored name is no alias."""
+        stored: dict = {}
+        for oid, name in stored_names:
+            stored.setdefault(oid, name)
+        found = []
+        for oid, name in stored.items():
+            found += [(path, name, "hard") for path in [self._paths.get(oid), *self._hard.get(oid, [])]
+                      if path not in (None, name)]
         for path, written in self.soft_links:
             try:
-                target = self._paths.get(_lookup(f, written, self._follow, file, self).id)
+                oid = _lookup(f, written, self._follow, file, self).id
             except DctchopError:
                 continue
-            if target is not None:
-                found.append((path, target, "soft"))
-        return found
+            if oid in stored and stored[oid] != path:
+                found.append((path, stored[oid], "soft"))
+        names = {name for _, name in stored_names}
+        return sorted(link for link in found if not any(n == link[0] or n.startswith(link[0] + "/") for n in names))
+
+    def ids(self):
+        """(object id, the path it is taken under) of every group and dataset of the walk."""
+        return self._paths.items()
 
     def available(self) -> str:
         names = sorted([p for p, _ in self.datasets] + [p for p, _ in self.problems])
@@ -459,12 +473,13 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
             elif reason:
                 raise DctchopError(f"{file}: dataset {path} {reason}; {_LEAVE_OUT}")
             else:
-                (lossy if default_lossy else kept).append(_source_array(file, path, ds))
+                (lossy if default_lossy else kept).append((path, ds))
         if chosen:
-            lossy = [_source_array(file, n, ds) for n, ds in chosen]
-        kept += [_source_array(file, n, ds) for n, ds in forced]
-        stored = {a.name for a in lossy + kept} | set(groups)
-        links = tuple(sorted(link for link in walk.links(f, file) if link[1] in stored))
+            lossy = chosen
+        kept += forced
+        stored = [(ds.id, name) for name, ds in lossy + kept] + [(oid, p) for oid, p in walk.ids() if p in groups]
+        links = tuple(walk.links(f, file, stored))
+        lossy, kept = ([_source_array(file, name, ds) for name, ds in part] for part in (lossy, kept))
     except DctchopError:
         f.close()
         raise

@@ -991,6 +991,7 @@ def test_records_are_copied_as_bytes_and_read_back_as_records(tmp_path):
     reads and decompresses them with their dtype; a scalar compound too."""
     import dctchop
 
+    wide = np.arange(24, dtype=np.longdouble).reshape(12, 2) / 3  # float128 where the platform has it
     rec = np.zeros(12, dtype=[("v", "<f4", (3,)), ("n", [("x", "u1"), ("y", "<i2")])])
     rec["v"], rec["n"]["x"] = np.arange(36).reshape(12, 3), np.arange(12)
     blob = np.array([np.void(bytes([i, 255 - i, 7])) for i in range(12)])
@@ -998,21 +999,50 @@ def test_records_are_copied_as_bytes_and_read_back_as_records(tmp_path):
     src, store, out = tmp_path / "rec.h5", tmp_path / "rec.zarr", tmp_path / "out.h5"
     with h5py.File(src, "w") as f:
         f["images"] = np.random.default_rng(1).integers(0, 256, (12, 16, 16), dtype=np.uint8)
-        f["rec"], f["blob"], f["one"] = rec, blob, one
+        f["rec"], f["blob"], f["one"], f["wide"] = rec, blob, one, wide
     ok(run("compress", src, store, "--quiet"))
     assert zarr.open(str(store), mode="r")["rec"].dtype == np.uint8  # the bytes, for plain Zarr
     report = json.loads(ok(run("inspect", store, "--json")).stdout)
     assert report["lossless"]["rec"]["dtype"] == str(rec.dtype) and report["lossless"]["rec"]["shape"] == [12]
     ds = dctchop.open(store)
-    for name, want in (("rec", rec), ("blob", blob), ("one", one)):
+    assert ds["one"][()].tobytes() == one.tobytes() and ds["one"]["a"] == 1.5  # numpy's keys on a scalar
+    for name, want in (("rec", rec), ("blob", blob), ("one", one), ("wide", wide)):
         got = ds[name][...]
         assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes(), name
     assert ds["rec"][3:5].tobytes() == rec[3:5].tobytes()
     ok(run("inspect", store, "--verify", src))
     ok(run("decompress", store, out))
     with h5py.File(out, "r") as f:
-        for name, want in (("rec", rec), ("blob", blob), ("one", one)):
+        for name, want in (("rec", rec), ("blob", blob), ("one", one), ("wide", wide)):
             assert f[name].dtype == want.dtype and f[name][()].tobytes() == want.tobytes(), name
+
+
+def test_datasets_named_through_links_keep_their_names(tmp_path):
+    """A dataset named by a path through a linked group, or a link named for a lossless copy: the store's own
+    names come first, and links are recorded relative to what is stored."""
+    import dctchop
+
+    src, store, out = tmp_path / "l.h5", tmp_path / "l.zarr", tmp_path / "out.h5"
+    images = np.random.default_rng(4).integers(0, 256, (20, 16, 16), dtype=np.uint8)
+    with h5py.File(src, "w") as f:
+        f["a/images"] = images
+        f["b/to_a"] = h5py.SoftLink("/a")
+        f["c/img_alias"] = h5py.SoftLink("/a/images")
+        f["a/up"] = h5py.SoftLink("..")  # HDF5 has no "..": a link to nothing
+    ok(run("compress", src, store, "--dataset", "/b/to_a/images", "--quiet"))
+    ds = dctchop.open(store)
+    assert ds.arrays == ("b/to_a/images",) and ds["b/to_a/images"].shape == (20, 16, 16)
+    assert {(link["path"], link["target"]) for link in ds.info["links"]} == {("/a/images", "/b/to_a/images"),
+                                                                              ("/c/img_alias", "/b/to_a/images")}
+    assert ds["c/img_alias"].name == "b/to_a/images" and len(dctchop.Loader(store, batch_size=4)) == 5
+    ok(run("decompress", store, out))
+    with h5py.File(out, "r") as f:
+        assert np.array_equal(f["c/img_alias"][:], f["b/to_a/images"][:]) and "a/up" not in f
+    store2 = tmp_path / "l2.zarr"
+    ok(run("compress", src, store2, "--dataset", "/a/images", "--lossless", "/c/img_alias", "--quiet"))
+    ds = dctchop.open(store2)
+    assert not ds["c/img_alias"].lossy and np.array_equal(ds["c/img_alias"][:], images)  # the copy, not the alias
+    ok(run("decompress", store2, tmp_path / "out2.h5"))
 
 
 def test_decompress_multi_array_store_to_npy_is_an_error(base, tmp_path):

@@ -128,7 +128,9 @@ def test_open_indexes_like_the_decoded_array(image_store, decoded):
 KEYS = [np.s_[..., 0], np.s_[..., :2], np.s_[..., 1, :], np.s_[7, ..., 2], np.s_[:, ..., 0], np.s_[None, 3],
         np.s_[None, 2:5, ..., None], np.s_[[1, 2], [3, 4]], np.s_[[1, 2], :, [3, 4]], np.s_[[1, 2], 5, :, [0, 2]],
         np.s_[np.array(3)], np.s_[np.int8(-2), 1], np.s_[::-50, 1:3], np.s_[...], np.s_[()], np.s_[..., 5, 6, 1],
-        np.s_[np.arange(600) % 9 == 0, ..., 1], np.s_[[], 0], np.s_[1, [0, 3], [1, 2]]]
+        np.s_[np.arange(600) % 9 == 0, ..., 1], np.s_[[], 0], np.s_[1, [0, 3], [1, 2]], np.s_[True], np.s_[False],
+        np.s_[True, 0], np.s_[np.True_, ..., 0, 0, 0], np.s_[np.array([[1, 2], [3, 4]])], np.s_[[[1], [2]], [0, 1, 2]],
+        np.s_[np.arange(600 * 32).reshape(600, 32) % 97 == 0], np.s_[2:4, np.ones((32, 32), bool)]]
 
 
 @pytest.mark.parametrize("key", KEYS, ids=[repr(k) for k in KEYS])
@@ -848,7 +850,7 @@ def test_persistent_workers_follow_set_epoch(image_store, context):
         orders.append(got)
     assert orders[0] != orders[1] != orders[2]
     copy = pickle.loads(pickle.dumps(ds))  # not a worker: an epoch of its own, starting at this one
-    copy.set_epoch(7)
+    copy.epoch = 7  # as an attribute too
     assert (copy.epoch, ds.epoch) == (7, 2)
     for bad in (-1, 2.7, "a", True):
         with pytest.raises(DctchopError, match="epoch must be a non-negative integer"):

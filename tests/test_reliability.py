@@ -614,6 +614,7 @@ LOSSLESS_DAMAGE = {
     "chunk deleted": ("labels", "chunk 1", "missing"),
     "one bit flipped": ("labels", "chunk 0", "crc32c"),
     "zarr.json deleted": ("labels", "array metadata cannot be opened"),
+    "chunk of another size": ("labels", "chunk 0", "wrong size"),  # a stale file: checksum right, length not
 }
 
 
@@ -634,6 +635,11 @@ def test_damaged_lossless_copies_are_found(tmp_path, labelled_store, damage):
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x10
         path.write_bytes(bytes(data))
+    elif damage == "chunk of another size":
+        from dctchop.store import _stored_bytes, unframe
+
+        path = store / "labels" / "c" / "0" / "0"
+        path.write_bytes(_stored_bytes(unframe(path.read_bytes())[:-8]))
     else:
         (store / "labels" / "zarr.json").unlink()
     words = LOSSLESS_DAMAGE[damage]
@@ -672,6 +678,11 @@ def test_array_metadata_that_disagrees_with_the_record_is_damage(tmp_path, good_
     out = tmp_path / "restored.npy"
     user_error(run("decompress", store, out), "array metadata says shape")
     assert_no_output(out)
+    import dctchop
+    from dctchop.errors import DctchopError
+
+    with pytest.raises(DctchopError, match="metadata says shape .69, 16, 16., the store's record .64, 16, 16."):
+        dctchop.open(store)  # the reader checks it too, instead of serving 69 samples
 
 
 def _future_codec_version(store: Path) -> None:
