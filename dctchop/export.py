@@ -76,6 +76,11 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
                     ds = h5.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
                     ds.attrs.update({k: _h5_attr(v) for k, v in arr.attrs.items()})
                     _copy_rows(arr, ds.__setitem__, arr.chunks[0] if arr.shape else 1, f"{store}: array {name}")
+                for path, dtypes in info.get("attr_dtypes", {}).items():  # JSON widened them: int16 -> int64
+                    attrs = h5[path].attrs
+                    for key, dtype in dtypes.items():
+                        if key in attrs:
+                            attrs[key] = np.asarray(attrs[key]).astype(dtype)
                 for link in info.get("links", []):  # targets are stored objects, so they exist by now
                     target = link["target"]
                     h5[link["path"]] = h5py.SoftLink(target) if link["kind"] == "soft" else h5[target]

@@ -839,6 +839,7 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
         "arrays": arrays,
         "lossless": [array_name(source, a) for a in source.lossless],
         **({"stored_as_bytes": records} if records else {}),
+        **({"attr_dtypes": source.attr_dtypes} if source.attr_dtypes else {}),
         **({"links": [{"path": path, "target": target, "kind": kind} for path, target, kind in source.links]}
            if source.links else {}),
         "totals": {

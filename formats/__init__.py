@@ -147,6 +147,9 @@ class Source:
     links : tuple of (str, str, str)
         HDF5 aliases of what is stored: (path, the path of the group or dataset it names, ``"soft"`` or
         ``"hard"``), absolute paths, sorted; the object itself is stored once, under its own path.
+    attr_dtypes : dict
+        HDF5 path (of a stored group or dataset) -> attribute -> numpy dtype string, for numeric attributes
+        that JSON would widen (int16, float32, ...).
     """
 
     path: str
@@ -157,6 +160,7 @@ class Source:
     follow_external: bool = False
     left_out: tuple[str, ...] = ()
     links: tuple[tuple[str, str, str], ...] = ()
+    attr_dtypes: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __hash__(self) -> int:  # groups is a dict: hash the identifying fields only
         return hash((self.path, self.kind, self.lossy, self.lossless))

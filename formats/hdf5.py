@@ -92,6 +92,21 @@ def _attrs(obj) -> dict:
     return json_attrs(items())
 
 
+def _attr_dtypes(obj) -> dict[str, str]:
+    """The numpy dtypes of ``obj``'s numeric attributes that JSON would widen (int16 -> int64, float32 ->
+    float64: what CF's scale_factor and add_offset must keep), so that decompress can restore them."""
+    out = {}
+    for key in obj.attrs:
+        try:
+            value = obj.attrs[key]
+        except _H5_ERRORS:  # dropped from the attributes too
+            continue
+        dtype = getattr(value, "dtype", None)
+        if isinstance(key, str) and dtype is not None and dtype.kind in "iuf" and dtype not in (np.int64, np.float64):
+            out[key] = native_dtype(dtype).str
+    return out
+
+
 def _effective(ds) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and dtype of what ``ds[...]`` returns (HDF5 array datatypes become trailing axes)."""
     dtype = ds.dtype
@@ -479,6 +494,8 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         kept += forced
         stored = [(ds.id, name) for name, ds in lossy + kept] + [(oid, p) for oid, p in walk.ids() if p in groups]
         links = tuple(walk.links(f, file, stored))
+        attr_dtypes = {path: d for path, obj in [*((p, f[p]) for p in groups), *(lossy + kept)]
+                       if (d := _attr_dtypes(obj))}
         lossy, kept = ([_source_array(file, name, ds) for name, ds in part] for part in (lossy, kept))
     except DctchopError:
         f.close()
@@ -488,7 +505,8 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         raise DctchopError(f"{file}: cannot read HDF5 structure ({first_line(exc)})") from None
     f.close()
     return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups,
-                  follow_external=follow_external, left_out=tuple(sorted(left_out)), links=links)
+                  follow_external=follow_external, left_out=tuple(sorted(left_out)), links=links,
+                  attr_dtypes=attr_dtypes)
 
 
 class _Handle:

@@ -1017,6 +1017,27 @@ def test_records_are_copied_as_bytes_and_read_back_as_records(tmp_path):
             assert f[name].dtype == want.dtype and f[name][()].tobytes() == want.tobytes(), name
 
 
+def test_decompress_restores_numeric_attribute_dtypes(tmp_path):
+    """Attributes travel as JSON, which widens int16 to int64 and float32 to float64; CF readers take the
+    dtype of scale_factor/add_offset for the decoded data, so decompress gives them back as they were."""
+    src, store, out = tmp_path / "cf.h5", tmp_path / "cf.zarr", tmp_path / "out.h5"
+    with h5py.File(src, "w") as f:
+        f["t"] = np.random.default_rng(5).normal(size=(8, 16, 16)).astype(np.float32)
+        f["t"].attrs.update({"scale_factor": np.float32(0.01), "add_offset": np.float32(273.15),
+                             "valid_range": np.array([-300, 300], np.int16), "count": np.int64(3), "units": "K"})
+        f.attrs["version"] = np.uint8(2)
+        f.create_group("g").attrs["levels"] = np.array([1.5, 2.5], np.float16)
+    ok(run("compress", src, store, "--quiet"))
+    ok(run("decompress", store, out))
+    with h5py.File(src, "r") as a, h5py.File(out, "r") as b:
+        for path in ("/", "/t", "/g"):
+            assert set(a[path].attrs) == set(b[path].attrs), path
+            for key, want in a[path].attrs.items():
+                got = b[path].attrs[key]
+                assert np.array_equal(got, want) and np.asarray(got).dtype == np.asarray(want).dtype, (path, key)
+                assert np.shape(got) == np.shape(want), (path, key)
+
+
 def test_datasets_named_through_links_keep_their_names(tmp_path):
     """A dataset named by a path through a linked group, or a link named for a lossless copy: the store's own
     names come first, and links are recorded relative to what is stored."""
