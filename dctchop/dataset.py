@@ -65,8 +65,7 @@ class _LossyArray:
         try:
             data = self._root.read(key)
         except FileNotFoundError:
-            raise DctchopError(f"array {self.name}: chunk {index} is missing ({path}); the store is damaged "
-                               "or incomplete") from None
+            raise _missing_chunk(self.name, index, path) from None
         try:
             return unframe(data)
         except CorruptChunkError as e:
@@ -119,10 +118,9 @@ class _LosslessArray:
 
     def _read_zarr_chunk(self, k: int) -> np.ndarray:
         """Zarr chunk ``k``: a missing file is damage (Zarr would return fill values), so is a bad crc32c."""
-        key = self.array.chunk_file(self.name, k)
+        key = self.array.chunk_file(k)
         if self._complete and self.array.n_chunks and not self._root.exists(key):
-            raise DctchopError(f"array {self.name}: chunk {k} is missing ({self._root}/{key}); the store is damaged "
-                               "or incomplete")
+            raise _missing_chunk(self.name, k, f"{self._root}/{key}")
         try:
             return np.asarray(self.array[k * self._zarr_len : (k + 1) * self._zarr_len])
         except ValueError as e:  # zarr's crc32c codec on a corrupted file
@@ -135,6 +133,10 @@ class _LosslessArray:
         parts = [self._zarr_chunk(k)[max(start - k * self._zarr_len, 0) : stop - k * self._zarr_len]
                  for k in range(first, last + 1)]
         return np.concatenate(parts)
+
+
+def _missing_chunk(name: str, index: int, path: str) -> DctchopError:
+    return DctchopError(f"array {name}: chunk {index} is missing ({path}); the store is damaged or incomplete")
 
 
 def _chunk_bounds(index: int, chunk_len: int, length: int) -> tuple[int, int]:
@@ -156,9 +158,12 @@ def _array_name(name: str, links: dict[str, str], names) -> str:
     """A store's name for an array: HDF5's absolute ``/train/images`` is ``train/images`` there (the
     compressor strips the slash), and a name through a link of the source file (``links``: alias -> target,
     absolute paths, as the store records them) that is none of the store's ``names`` is its target's name."""
-    if not isinstance(name, str) or name.lstrip("/") in names:
-        return name.lstrip("/") if isinstance(name, str) else name
-    path = "/" + name.lstrip("/")
+    if not isinstance(name, str):
+        return name
+    key = name.lstrip("/")
+    if key in names:
+        return key
+    path = "/" + key
     for _ in range(len(links)):  # each step replaces one alias, and targets are real paths
         alias = next((a for a in links if path == a or path.startswith(a.rstrip("/") + "/")), None)
         if alias is None:
@@ -352,9 +357,8 @@ class Dataset:
                                f"{', '.join(self.lossy_names)}")
         self.main = self._views[main]
         for name in self.lossless_names:
-            self._zarr_array(group, name)  # a clear error when it is missing
-            reader = _LosslessArray(Location(self.path), name, LosslessCopy(group, info, name), self.main.chunk_len,
-                                    every_chunk_written(info))
+            copy = LosslessCopy(self._zarr_array(group, name), info, name)
+            reader = _LosslessArray(Location(self.path), name, copy, self.main.chunk_len, every_chunk_written(info))
             self._views[name] = ArrayView(reader, None, self._threads)
 
     def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:

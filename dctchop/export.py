@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 
 from dctchop.errors import DctchopError
-from dctchop.inspect import open_store, require_intact
+from dctchop.inspect import open_store, read_rows, require_intact
 from dctchop.location import Location
 from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges
 
@@ -22,11 +22,7 @@ def _copy_rows(src, write, chunk_rows: int, where: str) -> None:
         write(..., src[...])
         return
     for i, (s, e) in enumerate(_chunk_ranges(src.shape[0], max(chunk_rows, 1))):
-        try:
-            rows = src[s:e]
-        except DctchopError as exc:  # the codec's own message knows the bytes, not where they are
-            raise type(exc)(f"{where}, chunk {i}: {exc}") from None
-        write(slice(s, e), rows)
+        write(slice(s, e), read_rows(src, s, e, f"{where}, chunk {i}"))
 
 
 def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -> list[str]:
@@ -57,7 +53,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
         lossless = set(info.get("lossless", []))
 
         def array(name: str):
-            return LosslessCopy(group, info, name) if name in lossless else group[name]
+            return LosslessCopy(group[name], info, name) if name in lossless else group[name]
 
         if suffix == ".npy":
             arr = array(names[0])

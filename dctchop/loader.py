@@ -214,9 +214,9 @@ def _normalisation(mean, std, item_shape: tuple[int, ...], channel_axis: int | N
     try:
         m = np.atleast_1d(np.asarray(0.0 if mean is None else mean, dtype=np.float64))
         s = np.atleast_1d(np.asarray(1.0 if std is None else std, dtype=np.float64))
-    except (TypeError, ValueError):
-        m = s = np.zeros((0, 0))
-    if m.ndim != 1 or s.ndim != 1:
+    except (TypeError, ValueError):  # not numbers
+        m = s = None
+    if m is None or m.ndim != 1 or s.ndim != 1:
         raise DctchopError("mean and std must be numbers or 1-D sequences (one value per channel)")
     count = max(m.size, s.size)
     if count > 1:

@@ -464,14 +464,14 @@ def lossless_problems(root: Location, info: dict, name: str) -> list[dict]:
     stores that write every chunk (store format 3 on); before, Zarr left out chunks of fill values, which
     look the same."""
     try:
-        copy = LosslessCopy(root.open_group("r"), info, name)
+        copy = LosslessCopy(root.open_group("r")[name], info, name)
     except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
         return [{"chunk": None, "problem": f"array metadata cannot be opened ({type(e).__name__}: {e})"}]
     problems = []
     size = math.prod(copy.array.chunks) * np.dtype(copy.array.dtype).itemsize  # Zarr writes edge chunks whole
     for i in range(copy.n_chunks):
         try:
-            if len(unframe(root.read(copy.chunk_file(name, i)))) != size:
+            if len(unframe(root.read(copy.chunk_file(i)))) != size:
                 problems.append({"chunk": i, "problem": f"decodes to the wrong size (not {size} bytes)"})
         except FileNotFoundError:
             if every_chunk_written(info):
@@ -656,15 +656,15 @@ def _write_lossless(group: zarr.Group, source: Source, array: SourceArray, zstd_
     sample_bytes = max(math.prod(array.shape[1:]) * array.dtype.itemsize, 1)
     chunk0 = max(1, min(array.shape[0] if array.shape else 1, DEFAULT_CHUNK_BYTES // sample_bytes))
     chunks = (chunk0, *array.shape[1:]) if array.shape else ()
-    records = stored_as_bytes(array.dtype)
-    tail = (array.dtype.itemsize,) if records else ()
-    arr = group.create_array(name, shape=(*array.shape, *tail), chunks=(*chunks, *tail) if chunks or tail else (),
-                             dtype=np.uint8 if records else array.dtype,
+    as_bytes = stored_as_bytes(array.dtype)
+    tail = (array.dtype.itemsize,) if as_bytes else ()
+    arr = group.create_array(name, shape=(*array.shape, *tail), chunks=(*chunks, *tail),
+                             dtype=np.uint8 if as_bytes else array.dtype,
                              compressors=[ZstdCodec(level=zstd_level), Crc32cCodec()], fill_value=0,
                              attributes=array.attrs, config={"write_empty_chunks": True})
 
     def as_stored(x: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(x).view(np.uint8).reshape(*x.shape, *tail) if records else x
+        return np.ascontiguousarray(x).view(np.uint8).reshape(*x.shape, *tail) if as_bytes else x
 
     if not array.shape:
         arr[...] = as_stored(array.read(0, 1))
@@ -688,8 +688,8 @@ class LosslessCopy:
     store structs (a zarr 3.4 store of them did not open in zarr 3.1), and Zarr has no type for opaque data,
     float128 or complex256."""
 
-    def __init__(self, group: zarr.Group, info: dict, name: str) -> None:
-        self.array = group[name]
+    def __init__(self, array: zarr.Array, info: dict, name: str) -> None:
+        self.array, self.name = array, name
         descr = info.get("stored_as_bytes", {}).get(name)
         self.records = descr is not None
         self.dtype = np.lib.format.descr_to_dtype(descr) if self.records else np.dtype(self.array.dtype)
@@ -705,11 +705,10 @@ class LosslessCopy:
         x = np.asarray(self.array[key])
         return np.ascontiguousarray(x).view(self.dtype)[..., 0] if self.records else x
 
-    def chunk_file(self, path: str, index: int) -> str:
-        """The file of Zarr chunk ``index`` along axis 0 (the only chunked axis) of the copy at ``path``."""
-        zarr_ndim = self.array.ndim
-        return f"{path}/" + self.array.metadata.encode_chunk_key((index,) + (0,) * (zarr_ndim - 1) if self.ndim else
-                                                                 (0,) * zarr_ndim)
+    def chunk_file(self, index: int) -> str:
+        """The file of Zarr chunk ``index`` along axis 0, the only chunked axis (0 for a scalar)."""
+        ndim = self.array.ndim  # one more than the copy's when stored as bytes
+        return f"{self.name}/" + self.array.metadata.encode_chunk_key((index,) + (0,) * (ndim - 1) if ndim else ())
 
 
 def compress(source: Source, output: str | os.PathLike, options: CompressOptions = CompressOptions(),

@@ -74,33 +74,30 @@ def _open_file(file: str):
         raise DctchopError(f"{file}: cannot open as HDF5 ({msg})") from None
 
 
+def _attr_items(obj):
+    """(name, value) of an h5py object's attributes; ``_DROP`` for one h5py cannot read."""
+    try:
+        names = list(obj.attrs.keys())
+    except _H5_ERRORS:  # pragma: no cover - damaged attribute table
+        return
+    for key in names:
+        try:
+            value = obj.attrs[key]
+        except _H5_ERRORS:  # unsupported attribute type (e.g. some vlen/compound mixes)
+            value = _DROP
+        yield key, value
+
+
 def _attrs(obj) -> dict:
     """JSON-serialisable attrs of an h5py object; attributes h5py cannot read are dropped."""
-
-    def items():
-        try:
-            names = list(obj.attrs.keys())
-        except _H5_ERRORS:  # pragma: no cover - damaged attribute table
-            return
-        for key in names:
-            try:
-                value = obj.attrs[key]
-            except _H5_ERRORS:  # unsupported attribute type (e.g. some vlen/compound mixes)
-                value = _DROP
-            yield key, value
-
-    return json_attrs(items())
+    return json_attrs(_attr_items(obj))
 
 
 def _attr_dtypes(obj) -> dict[str, str]:
     """The numpy dtypes of ``obj``'s numeric attributes that JSON would widen (int16 -> int64, float32 ->
     float64: what CF's scale_factor and add_offset must keep), so that decompress can restore them."""
     out = {}
-    for key in obj.attrs:
-        try:
-            value = obj.attrs[key]
-        except _H5_ERRORS:  # dropped from the attributes too
-            continue
+    for key, value in _attr_items(obj):
         dtype = getattr(value, "dtype", None)
         if isinstance(key, str) and dtype is not None and dtype.kind in "iuf" and dtype not in (np.int64, np.float64):
             out[key] = native_dtype(dtype).str
