@@ -82,7 +82,8 @@ class _LossyArray:
             return np.ascontiguousarray(x.transpose(channels_first_axes(x.ndim))) if channels_first else x
         data = self.raw(index)
         try:
-            out = decode_chunk(data, self.chunk_shape, self.dtype, out=out, channels_first=channels_first)
+            out = decode_chunk(data, self.chunk_shape, self.dtype, out=out, channels_first=channels_first,
+                               rows=stop - start)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"array {self.name}: chunk {index}: {e}") from None
         return out[: stop - start]

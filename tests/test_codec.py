@@ -352,6 +352,32 @@ def test_decode_channels_first(precision, threads):
         decode_chunk(data, x.shape, x.dtype, out=np.empty(x.shape, np.uint8), channels_first=True)
 
 
+@pytest.mark.parametrize(("shape", "axes", "block", "precision", "slab", "rows"), [
+    ((60, 16, 24, 3), (1, 2, 3), (8, 8, 3), "int16", 2000, 7),  # samples in many slabs
+    ((60, 16, 24, 3), (1, 2, 3), (8, 8, 3), "float16", 2000, 57),  # plain stored values
+    ((3, 45, 37, 3), (1, 2, 3), (8, 8, 3), "int16", 2000, 2),  # samples cut in strips
+    ((27, 16, 16), (0, 1, 2), (8, 8, 8), "int16", 600, 10),  # axis 0 transformed: a block straddles row 10
+    ((27, 16, 16), (0, 1, 2), (8, 8, 8), "int16", 600, 27),
+])
+def test_decode_first_rows_only(shape, axes, block, precision, slab, rows, monkeypatch):
+    """An edge chunk's reader asks for its valid samples only: those come out bit for bit as in a whole decode,
+    the slabs after them are skipped (their part of ``out`` keeps what it held)."""
+    import dctchop.codec as codec_module
+
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", slab)
+    rng = np.random.default_rng(0)
+    x = np.clip(rng.normal(128, 20, size=shape).cumsum(axis=1) / 4, 0, 255).astype(np.uint8)
+    data = encode_chunk(x, ChunkSettings(axes=axes, block=block, keep=block, precision=precision))
+    whole = decode_chunk(data, shape, x.dtype)
+    out = np.full(shape, 7, np.uint8)
+    assert decode_chunk(data, shape, x.dtype, out=out, rows=rows) is out
+    np.testing.assert_array_equal(out[:rows], whole[:rows])
+    starts = [part.start for part in codec_module.slabs(make_plan(shape, axes, block, block), slab)]
+    decoded_to = min([s for s in starts if s >= rows], default=shape[0])
+    assert (out[decoded_to:] == 7).all()
+    assert decoded_to < shape[0] or rows > starts[-1]
+
+
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "float16", "float32", "float64"])
 def test_every_data_dtype_round_trips(dtype):
     x = smooth_uint8_stack(n=2, h=16, w=16).astype(dtype)

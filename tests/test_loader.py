@@ -398,10 +398,10 @@ def test_chunks_decode_into_reused_buffers_and_batches_stay_right(image_store, d
     buffers = []
     decode = dataset_module.decode_chunk
 
-    def recording(data, shape, dtype, threads=1, out=None, channels_first=False):
+    def recording(data, shape, dtype, threads=1, out=None, channels_first=False, rows=None):
         assert channels_first  # NHWC yielded channels-first: decoded that way, into (n, 3, 32, 32) buffers
         buffers.append(out.ctypes.data)
-        return decode(data, shape, dtype, threads, out=out, channels_first=channels_first)
+        return decode(data, shape, dtype, threads, out=out, channels_first=channels_first, rows=rows)
 
     monkeypatch.setattr(dataset_module, "decode_chunk", recording)
     loader = dctchop.Loader(image_store, batch_size=50, seed=2, arrays=["images", "index"], dtype=dtype,
@@ -411,6 +411,25 @@ def test_chunks_decode_into_reused_buffers_and_batches_stay_right(image_store, d
         for x, index in loader:
             np.testing.assert_array_equal(x, decoded[index].transpose(0, 3, 1, 2).astype(x.dtype))
     assert len(buffers) == 3 * 10 and len(set(buffers)) < 15
+
+
+def test_edge_chunk_decodes_its_samples_only(image_store, decoded, monkeypatch):
+    """The short last chunk (24 of 64 samples) decodes only the slabs that hold its samples (16 samples a slab
+    here): the same values as Zarr's decode of the whole chunk."""
+    import dctchop.codec as codec_module
+
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", 16 * 32 * 32 * 3)
+    slabs_decoded = []
+    inverse = codec_module.inverse_band_major  # each slab of this store decodes band-major
+
+    def counting(*args):
+        slabs_decoded.append(1)
+        return inverse(*args)
+
+    monkeypatch.setattr(codec_module, "inverse_band_major", counting)
+    ds = dctchop.open(image_store)
+    np.testing.assert_array_equal(ds["images"][N_IMAGES - 30 :], decoded[N_IMAGES - 30 :])
+    assert len(slabs_decoded) == 4 + 2  # chunk 8 whole, chunk 9's first 24 samples
 
 
 @pytest.mark.parametrize("dtype", ["float32", "uint8"])  # gathered with conversion; copied as decoded
