@@ -219,7 +219,8 @@ class ArrayView:
     """One array of a store, indexed along the sample axis (axis 0) and decoded on demand.
 
     Keeps the last :data:`CACHED_CHUNKS` decoded chunks, so sequential reads decode each chunk once; a
-    request that spans several chunks decodes them on ``threads`` threads.
+    request that spans several chunks decodes them on ``threads`` threads. Reading single samples in random
+    order decodes a whole chunk for each: :class:`dctchop.Loader` is the way to shuffle.
     """
 
     def __init__(self, reader, info: dict | None, threads: int) -> None:
