@@ -178,7 +178,8 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
     if as_json:
         from dctchop.store import json_safe
 
-        click.echo(json.dumps(json_safe({**summary, "left_out": list(source.left_out)}), indent=2))
+        click.echo(json.dumps(json_safe({**summary, "left_out": list(source.left_out),
+                                         "dropped_attributes": list(source.dropped_attrs)}), indent=2))
     elif not quiet:
         for name, a in summary["arrays"].items():
             click.echo(f"{name}: {a['shape']} {a['dtype']}, layout {a['layout']}, transformed axes {a['axes']}, "
@@ -192,6 +193,8 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
             click.echo(f"copied bit-exactly: {', '.join(summary['lossless'])}")
         if source.left_out:
             click.echo(f"left out (--dataset names the datasets to compress): {', '.join(source.left_out)}")
+        if source.dropped_attrs:
+            click.echo(f"attributes not kept (JSON cannot hold their values): {', '.join(source.dropped_attrs)}")
         t = summary["totals"]
         click.echo(f"done in {t['seconds']:.2f} s, {t['mb_per_s']:.1f} MB/s -> {output}")
 

@@ -150,6 +150,10 @@ class Source:
     attr_dtypes : dict
         HDF5 path (of a stored group or dataset) -> attribute -> numpy dtype string, for numeric attributes
         that JSON would widen (int16, float32, ...).
+    dropped_attrs : tuple of str
+        ``path@name`` of every attribute of a stored group or dataset that the store cannot keep, because
+        JSON cannot hold its value (complex numbers, references, bytes that are not UTF-8, opaque data, ...)
+        or h5py cannot read it, sorted, so that a caller can say what the store will lack.
     """
 
     path: str
@@ -161,6 +165,7 @@ class Source:
     left_out: tuple[str, ...] = ()
     links: tuple[tuple[str, str, str], ...] = ()
     attr_dtypes: dict[str, dict[str, str]] = field(default_factory=dict)
+    dropped_attrs: tuple[str, ...] = ()
 
     def __hash__(self) -> int:  # groups is a dict: hash the identifying fields only
         return hash((self.path, self.kind, self.lossy, self.lossless))
@@ -395,8 +400,9 @@ def _jsonable(value: Any) -> Any:
     return _DROP
 
 
-def json_attrs(items) -> dict:
-    """Convert ``(name, value)`` pairs into a JSON-serialisable dict, dropping what cannot be converted.
+def json_attrs(items, dropped: list | None = None) -> dict:
+    """Convert ``(name, value)`` pairs into a JSON-serialisable dict, dropping what cannot be converted (its
+    name appended to ``dropped`` when given).
 
     ``items`` may yield a value of ``_DROP`` for attributes that could not even be read.
     """
@@ -407,4 +413,6 @@ def json_attrs(items) -> dict:
         value = _jsonable(value)
         if value is not _DROP:
             out[key] = value
+        elif dropped is not None:
+            dropped.append(key)
     return out

@@ -93,6 +93,13 @@ def _attrs(obj) -> dict:
     return json_attrs(_attr_items(obj))
 
 
+def _dropped_attrs(obj) -> list[str]:
+    """Names of ``obj``'s attributes that :func:`_attrs` leaves out."""
+    dropped: list[str] = []
+    json_attrs(_attr_items(obj), dropped)
+    return dropped
+
+
 def _attr_dtypes(obj) -> dict[str, str]:
     """The numpy dtypes of ``obj``'s numeric attributes that JSON would widen (int16 -> int64, float32 ->
     float64: what CF's scale_factor and add_offset must keep), so that decompress can restore them."""
@@ -491,8 +498,9 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         kept += forced
         stored = [(ds.id, name) for name, ds in lossy + kept] + [(oid, p) for oid, p in walk.ids() if p in groups]
         links = tuple(walk.links(f, file, stored))
-        attr_dtypes = {path: d for path, obj in [*((p, f[p]) for p in groups), *(lossy + kept)]
-                       if (d := _attr_dtypes(obj))}
+        stored_objects = [*((p, f[p]) for p in groups), *(lossy + kept)]
+        attr_dtypes = {path: d for path, obj in stored_objects if (d := _attr_dtypes(obj))}
+        dropped_attrs = sorted(f"{path}@{key}" for path, obj in stored_objects for key in _dropped_attrs(obj))
         lossy, kept = ([_source_array(file, name, ds) for name, ds in part] for part in (lossy, kept))
     except DctchopError:
         f.close()
@@ -503,7 +511,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
     f.close()
     return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups,
                   follow_external=follow_external, left_out=tuple(sorted(left_out)), links=links,
-                  attr_dtypes=attr_dtypes)
+                  attr_dtypes=attr_dtypes, dropped_attrs=tuple(dropped_attrs))
 
 
 class _Handle:

@@ -1038,6 +1038,23 @@ def test_decompress_restores_numeric_attribute_dtypes(tmp_path):
                 assert np.shape(got) == np.shape(want), (path, key)
 
 
+def test_compress_names_the_attributes_it_cannot_keep(tmp_path):
+    """Attributes JSON cannot hold (complex, references, binary bytes) are not stored: compress says which,
+    in its report and in --json, and the others arrive."""
+    src, store = tmp_path / "a.h5", tmp_path / "a.zarr"
+    with h5py.File(src, "w") as f:
+        f["t"] = np.random.default_rng(6).normal(size=(8, 16, 16)).astype(np.float32)
+        f["t"].attrs.update({"impedance": np.complex64(1 + 2j), "units": "K"})
+        f.attrs["blob"] = np.void(b"\xff\x00")
+    out = ok(run("compress", src, store)).stdout
+    assert "attributes not kept (JSON cannot hold their values): /@blob, /t@impedance" in out
+    report = json.loads(ok(run("compress", src, store, "--json", "--overwrite")).stdout)
+    assert report["dropped_attributes"] == ["/@blob", "/t@impedance"]
+    ok(run("decompress", store, tmp_path / "out.h5"))
+    with h5py.File(tmp_path / "out.h5", "r") as f:
+        assert dict(f["t"].attrs) == {"units": "K"} and "blob" not in f.attrs
+
+
 def test_datasets_named_through_links_keep_their_names(tmp_path):
     """A dataset named by a path through a linked group, or a link named for a lossless copy: the store's own
     names come first, and links are recorded relative to what is stored."""

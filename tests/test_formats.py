@@ -384,7 +384,9 @@ def test_hdf5_attrs_converted(tmp_path):
         d.attrs["cplx"] = np.complex64(1 + 2j)
         d.attrs["ref"] = f.ref
         d.attrs["rec"] = np.array([(1, 2.0)], dtype=[("a", "i4"), ("b", "f8")])
-    (arr,) = open_source(path).lossy
+        f.attrs["root_cplx"] = np.array([1j])
+    source = open_source(path)
+    (arr,) = source.lossy
     a = arr.attrs
     assert a["i"] == -4 and type(a["i"]) is int
     assert a["u"] == 2**63 and a["f"] == 0.5 and type(a["f"]) is float
@@ -396,6 +398,7 @@ def test_hdf5_attrs_converted(tmp_path):
     for dropped in ("cplx", "ref", "bad_bytes"):
         assert dropped not in a
     json.dumps(a)  # serialisable as is
+    assert source.dropped_attrs == ("/@root_cplx", "/d@bad_bytes", "/d@cplx", "/d@ref")
 
 
 def test_hdf5_explicit_datasets(h5file):
