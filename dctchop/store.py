@@ -52,6 +52,7 @@ from dctchop.codec import (
 )
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.formats import Source, SourceArray
+from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
 from dctchop.layout import colour_axis, infer_axes
 from dctchop.location import Location
 from dctchop.transform import make_plan, per_axis, resolve_threads
@@ -61,7 +62,6 @@ from dctchop.transform import make_plan, per_axis, resolve_threads
 STORE_FORMAT = 3
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
 META_GROUP = "dctchop_meta"
-SINGLE_ARRAY_NAME = "data"
 ZSTD_LEVEL = 1  # on bit-plane payloads as small as level 3 (images: 3% smaller), 2-2.5x faster
 ZSTD_LEVELS = range(-(1 << 17), 23)  # zstd's own bounds; below 0 its fast levels
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -144,7 +144,7 @@ def default_target(dtype) -> Target:
 
 
 def array_name(source: Source, array: SourceArray) -> str:
-    return SINGLE_ARRAY_NAME if source.kind == "npy" else array.name.strip("/")
+    return NPY_STORED_NAME if source.kind == "npy" else array.name.strip("/")
 
 
 def _chunks(shape, axes, block, dtype, chunk_samples) -> tuple[int, ...]:

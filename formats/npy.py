@@ -22,6 +22,8 @@ from dctchop.formats import Source, SourceArray, cached_handle, close_all, nativ
 
 __all__ = ["open_npy", "read_header", "read_npy"]
 
+STORED_NAME = "data"  # the array's name in a store made from an .npy file, whatever the file is called
+
 
 def read_header(file: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """Parse the ``.npy`` header of ``file`` without loading data.
@@ -94,13 +96,15 @@ def open_npy(file: str, datasets=(), lossless=()) -> Source:
     """Open ``file`` (absolute path of an existing ``.npy``) as a :class:`Source` with one array.
 
     The array is named after the file stem and is lossy, unless ``lossless`` names it. ``datasets`` and
-    ``lossless`` may only name that stem (leading ``"/"`` optional), so a selection recorded for an
-    ``.npy`` input (e.g. by ``inspect --verify``) can be passed back unchanged.
+    ``lossless`` may name it by that stem or by :data:`STORED_NAME`, its name in a store (leading ``"/"``
+    optional), so a selection recorded for an ``.npy`` input (e.g. by ``inspect --verify``) can be passed
+    back unchanged.
     """
     name = os.path.splitext(os.path.basename(file))[0]
     for n in (*datasets, *lossless):
-        if n.strip("/") != name:
-            raise DctchopError(f"{file}: no dataset {n!r}; an .npy file holds one array, named {name!r}")
+        if n.strip("/") not in (name, STORED_NAME):
+            raise DctchopError(f"{file}: no dataset {n!r}; an .npy file holds one array, named {name!r} "
+                               f"({STORED_NAME!r} in the store)")
     if datasets and lossless:
         raise DctchopError(f"{file}: {name} named both lossy (--dataset) and --lossless")
     shape, _fortran, dtype, _offset = read_header(file)
