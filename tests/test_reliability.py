@@ -747,10 +747,16 @@ def big_npy(tmp_path_factory) -> Path:
     return path
 
 
+# Runs the command with SIGHUP's default action, as a terminal would deliver it, also when the suite itself runs
+# under nohup: an ignored signal stays ignored across exec, and dctchop keeps an ignored SIGHUP ignored (tested
+# below). exec keeps the process id, so signals sent to the child reach dctchop.
+HANGUP_BY_DEFAULT = "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+
+
 def start_and_wait_for_chunks(args, out: Path) -> tuple[subprocess.Popen, Path]:
     """Start ``dctchop compress``; return once its temporary holds chunk files (mid-way through writing)."""
-    proc = subprocess.Popen([str(DCTCHOP), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", HANGUP_BY_DEFAULT, str(DCTCHOP), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         tmps = [t for t in siblings(out) if "-tmp-" in t.name]
