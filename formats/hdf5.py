@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+from typing import NamedTuple
 
 import numpy as np
 
@@ -88,27 +89,28 @@ def _attr_items(obj):
         yield key, value
 
 
-def _attrs(obj) -> dict:
-    """JSON-serialisable attrs of an h5py object; attributes h5py cannot read are dropped."""
-    return json_attrs(_attr_items(obj))
+class _Attributes(NamedTuple):
+    """An h5py object's attributes as the store keeps them: ``values``, the JSON-serialisable ones converted;
+    ``dtypes``, the numpy dtypes of numeric ones that JSON would widen (int16 -> int64, float32 -> float64:
+    what CF's scale_factor and add_offset must keep), so that decompress can restore them; ``dropped``, the
+    names of those JSON cannot hold or h5py cannot read."""
+
+    values: dict
+    dtypes: dict[str, str]
+    dropped: list[str]
 
 
-def _dropped_attrs(obj) -> list[str]:
-    """Names of ``obj``'s attributes that :func:`_attrs` leaves out."""
+def _attributes(obj) -> _Attributes:
+    """``obj``'s attributes, each read from the file once."""
+    items = list(_attr_items(obj))
     dropped: list[str] = []
-    json_attrs(_attr_items(obj), dropped)
-    return dropped
-
-
-def _attr_dtypes(obj) -> dict[str, str]:
-    """The numpy dtypes of ``obj``'s numeric attributes that JSON would widen (int16 -> int64, float32 ->
-    float64: what CF's scale_factor and add_offset must keep), so that decompress can restore them."""
-    out = {}
-    for key, value in _attr_items(obj):
+    values = json_attrs(items, dropped)
+    dtypes = {}
+    for key, value in items:
         dtype = getattr(value, "dtype", None)
         if isinstance(key, str) and dtype is not None and dtype.kind in "iuf" and dtype not in (np.int64, np.float64):
-            out[key] = native_dtype(dtype).str
-    return out
+            dtypes[key] = native_dtype(dtype).str
+    return _Attributes(values, dtypes, dropped)
 
 
 def _effective(ds) -> tuple[tuple[int, ...], np.dtype]:
@@ -284,14 +286,14 @@ class _Walk:
     """Every group and dataset reachable from the root, each object once."""
 
     def __init__(self, f, follow_external: bool):
-        self.groups: dict[str, dict] = {}
+        self.groups: dict[str, _Attributes] = {}
         self.datasets: list[tuple[str, object]] = []  # (path, h5py.Dataset)
         self.problems: list[tuple[str, str]] = []  # (path, reason) for links that could not be taken
         self.soft_links: list[tuple[str, str]] = []  # (path, absolute target path as written in the link)
         self._paths: dict = {f["/"].id: "/"}  # object id -> the path it is taken under (its first hard link)
         self._hard: dict = {}  # object id -> its other hard-link paths
         self._follow = follow_external
-        self.groups["/"] = _attrs(f)
+        self.groups["/"] = _attributes(f)
         self._walk(f, "/")
 
     def _walk(self, grp, prefix: str) -> None:
@@ -329,7 +331,7 @@ class _Walk:
                 continue
             self._paths[obj.id] = path
             if isinstance(obj, h5py.Group):
-                self.groups[path] = _attrs(obj)
+                self.groups[path] = _attributes(obj)
                 self._walk(obj, path)
             elif isinstance(obj, h5py.Dataset):
                 self.datasets.append((path, obj))
@@ -418,9 +420,9 @@ def _lookup(f, path: str, follow_external: bool, file: str, walk: _Walk, depth: 
     return obj
 
 
-def _source_array(file: str, name: str, ds) -> SourceArray:
+def _source_array(file: str, name: str, ds, attrs: dict) -> SourceArray:
     shape, dtype = _effective(ds)
-    return SourceArray(file=file, name=name, shape=shape, dtype=native_dtype(dtype), attrs=_attrs(ds))
+    return SourceArray(file=file, name=name, shape=shape, dtype=native_dtype(dtype), attrs=attrs)
 
 
 def _dedupe(names) -> list[str]:
@@ -448,7 +450,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
     try:
         walk = _Walk(f, follow_external)
 
-        if STORE_ATTR in walk.groups["/"]:
+        if STORE_ATTR in walk.groups["/"].values:
             raise DctchopError(f"{file}: the root group has an attribute named {STORE_ATTR!r}, the name the "
                                "store keeps its own record under; rename or delete that attribute first")
 
@@ -498,10 +500,12 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         kept += forced
         stored = [(ds.id, name) for name, ds in lossy + kept] + [(oid, p) for oid, p in walk.ids() if p in groups]
         links = tuple(walk.links(f, file, stored))
-        stored_objects = [*((p, f[p]) for p in groups), *(lossy + kept)]
-        attr_dtypes = {path: d for path, obj in stored_objects if (d := _attr_dtypes(obj))}
-        dropped_attrs = sorted(f"{path}@{key}" for path, obj in stored_objects for key in _dropped_attrs(obj))
-        lossy, kept = ([_source_array(file, name, ds) for name, ds in part] for part in (lossy, kept))
+        attributes = {**groups, **{name: _attributes(ds) for name, ds in lossy + kept}}  # of what is stored
+        attr_dtypes = {path: a.dtypes for path, a in attributes.items() if a.dtypes}
+        dropped_attrs = sorted(f"{path}@{key}" for path, a in attributes.items() for key in a.dropped)
+        groups = {path: a.values for path, a in groups.items()}
+        lossy, kept = ([_source_array(file, name, ds, attributes[name].values) for name, ds in part]
+                       for part in (lossy, kept))
     except DctchopError:
         f.close()
         raise
