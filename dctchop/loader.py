@@ -153,7 +153,7 @@ class OutputSpec:
     dtype: str | np.dtype  # output dtype name ("float32", ..., or the stored one); a lossless array's dtype
     item_shape: tuple[int, ...]
     channel_axis: int | None = None  # in the yielded layout (batch axis = 0)
-    mean: np.ndarray | None = field(default=None, repr=False)  # (x - mean) * scale, float64 shaped to broadcast
+    mean: np.ndarray | None = field(default=None, repr=False)  # (x - mean) * scale, in work, shaped to broadcast
     scale: np.ndarray | None = field(default=None, repr=False)
     work: str = "float32"  # the dtype the normalisation computes in (see _normalisation)
 
@@ -167,9 +167,9 @@ class OutputSpec:
         :func:`_gather_convert` subtracts and multiplies by; zeros and ones without normalisation. Made once:
         building them was 5 of the 8 us a gather cost over its samples."""
         channels = 1 if self.channel_axis is None else self.item_shape[self.channel_axis - 1]
-        mean = np.zeros(channels) if self.mean is None else np.broadcast_to(self.mean.ravel(), channels)
-        scale = np.ones(channels) if self.scale is None else np.broadcast_to(self.scale.ravel(), channels)
-        return mean.astype(self.work), scale.astype(self.work)
+        mean = np.zeros(channels, self.work) if self.mean is None else np.broadcast_to(self.mean.ravel(), channels)
+        scale = np.ones(channels, self.work) if self.scale is None else np.broadcast_to(self.scale.ravel(), channels)
+        return np.ascontiguousarray(mean), np.ascontiguousarray(scale)
 
     @property
     def host_dtype(self) -> np.dtype:
@@ -287,8 +287,8 @@ def _prepare_host(x: np.ndarray, spec: OutputSpec) -> np.ndarray:
     tmp = out if work == out.dtype else np.empty(out.shape, dtype=work)
     np.copyto(tmp, x.transpose(spec.perm), casting="unsafe")
     if spec.scale is not None:
-        tmp -= spec.mean.astype(work)
-        tmp *= spec.scale.astype(work)
+        tmp -= spec.mean
+        tmp *= spec.scale
     if tmp is not out:
         out[...] = tmp
     return out
@@ -505,6 +505,8 @@ class Loader:
         if scale is not None and np.dtype(out if out != "bfloat16" else "float32").kind != "f":
             raise DctchopError(f"mean/std need a floating-point dtype, got {out}")
         work = "float64" if view.dtype.kind == "f" and view.dtype.itemsize >= 4 else "float32"
+        if scale is not None:
+            mean, scale = mean.astype(work), scale.astype(work)
         return OutputSpec(name, True, perm, out, item_shape, channel_axis, mean, scale, work)
 
     def _check_torch_dtypes(self) -> None:

@@ -368,7 +368,7 @@ class DeviceStage:
         self.device, self.specs = device, specs
         self.n_samples, self.chunk_len = n_samples, chunk_len
         self.chunks: dict[int, dict[str, torch.Tensor]] = {}
-        self._norm = {s.name: tuple(torch.as_tensor(v.astype(s.work), device=device) for v in (s.mean, s.scale))
+        self._norm = {s.name: tuple(torch.as_tensor(v, device=device) for v in (s.mean, s.scale))
                       for s in specs if s.scale is not None}
 
     def prepare(self, loaded: dict[int, dict]) -> None:
