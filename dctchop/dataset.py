@@ -286,19 +286,25 @@ class ArrayView:
         if not self.shape:
             return np.asarray(self._reader.array[...])[key]
         key = key if isinstance(key, tuple) else (key,)
-        if any(_is_rare_index(k) for k in key):  # numpy's own rules on every sample
-            return self._samples(np.arange(self.shape[0]))[key]
-        at = next((i for i, k in enumerate(key) if k is not None), len(key))
-        if at < len(key) and key[at] is Ellipsis:
-            consumed = sum(np.ndim(k) if _is_bool_index(k) else 1 for k in key if k is not None and k is not Ellipsis)
-            if consumed < len(self.shape):  # the ellipsis spans axis 0: every sample
-                return self._samples(np.arange(self.shape[0]))[key]
-            at = next((i for i in range(at + 1, len(key)) if key[i] is not None), len(key))
-        if at == len(key):  # (), (None,): every sample
+        at = self._sample_axis_at(key)
+        if at is None:
             return self._samples(np.arange(self.shape[0]))[key]
         idx, keep_axis = _sample_index(key[at], self.shape[0])
         local = (slice(None) if isinstance(key[at], slice) else np.arange(idx.size)) if keep_axis else 0
         return self._samples(idx)[(*key[:at], local, *key[at + 1:])]
+
+    def _sample_axis_at(self, key: tuple) -> int | None:
+        """Where in ``key`` the index of axis 0 is; None where numpy's own rules must see every sample: a rare
+        index, an ellipsis that spans axis 0, no index at all (``()``, ``(None,)``)."""
+        if any(_is_rare_index(k) for k in key):
+            return None
+        at = next((i for i, k in enumerate(key) if k is not None), len(key))
+        if at < len(key) and key[at] is Ellipsis:
+            consumed = sum(np.ndim(k) if _is_bool_index(k) else 1 for k in key if k is not None and k is not Ellipsis)
+            if consumed < len(self.shape):
+                return None
+            at = next((i for i in range(at + 1, len(key)) if key[i] is not None), len(key))
+        return at if at < len(key) else None
 
     def _samples(self, idx: np.ndarray) -> np.ndarray:
         """Samples ``idx`` (in that order), each chunk decoded once."""
