@@ -1,15 +1,17 @@
 """A read-only, lazily decoding view of a dctchop store: :func:`open`.
 
 ``dctchop.open("images.zarr")`` gives a :class:`Dataset` that indexes like an array along the sample axis
-(``ds[i]``, ``ds[i:j]``, ``ds[[3, 1, 4]]``, ``ds[mask]``) and decodes only the chunks a request touches; the
-store's other arrays (labels, ids, a second lossy array) are reachable by name, ``ds["labels"]``.
+(``ds[i]``, ``ds[i:j]``, ``ds[[3, 1, 4]]``, ``ds[mask]``) and decodes only the parts of chunks (slabs) that
+hold the samples a request needs; the store's other arrays (labels, ids, a second lossy array) are reachable
+by name, ``ds["labels"]``.
 
-Chunks hold many samples, so the view keeps the last few decoded chunks: reading samples in order decodes
-each chunk once. For training, :class:`dctchop.Loader` reads each chunk once per epoch in a shuffled order
-instead of random per-sample access.
+The view keeps what it decoded and the checked bytes of chunks it has begun, up to a memory budget
+(:class:`ArrayView`): reading samples in order decodes each slab once, and a random read of a chunk already
+read costs one small slab's decode. For training, :class:`dctchop.Loader` reads each chunk once per epoch in
+a shuffled order, which is faster still.
 
 Lossy chunks are read straight from their files (zstd frame + crc32c trailer, as the store writes them) and
-decoded with :func:`dctchop.codec.decode_chunk`, whose numba kernels release the GIL, so decoding threads
+decoded with :class:`dctchop.codec.ChunkDecoder`, whose numba kernels release the GIL, so decoding threads
 run in parallel; :func:`dctchop.codec.read_stored` stops before the inverse transform and returns the stored coefficients
 for decoding elsewhere (``dctchop.torch_decode`` on a torch device). Stores whose arrays use another codec
 pipeline or chunk key layout are decoded through Zarr instead.
@@ -30,7 +32,7 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from dctchop.codec import DctChopCodec, StoredChunk, decode_chunk, read_stored
+from dctchop.codec import ChunkDecoder, DctChopCodec, StoredChunk, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError, first_line
 from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
@@ -39,7 +41,13 @@ from dctchop.transform import channels_first_axes, resolve_threads
 
 __all__ = ["ArrayView", "Dataset", "open"]
 
-CACHED_CHUNKS = 2
+CACHED_CHUNKS = 2  # Zarr chunks of a lossless copy kept
+# What an ArrayView keeps: chunks' checked bytes (so that a random read of one costs a small slab's decode), and
+# decoded samples (so that reads near one another decode once; more would cost page faults: fresh memory
+# costs a quarter of a decode the first time it is written), and arrays of a chunk's shape to decode into.
+CODED_CACHE_BYTES = 128 << 20
+DECODED_CACHE_BYTES = 16 << 20
+SPARE_ARRAYS = 2
 
 
 # ---------------------------------------------------------------------------------------------- chunks
@@ -75,18 +83,24 @@ class _LossyArray:
         """Samples of chunk ``index`` (the edge chunk trimmed to the array), in the array's dtype; decoded
         into ``out`` (an array of the chunk's shape and the array's dtype) when given and the chunk files
         are read directly. ``channels_first``: the last axis moved to axis 1 (see
-        :func:`dctchop.codec.decode_chunk`); ``out`` then has that shape."""
+        :meth:`dctchop.codec.ChunkDecoder.decode`); ``out`` then has that shape."""
         start, stop = _chunk_bounds(index, self.chunk_len, self.shape[0])
         if not self.direct:
             x = np.asarray(self.array[start:stop])
             return np.ascontiguousarray(x.transpose(channels_first_axes(x.ndim))) if channels_first else x
-        data = self.raw(index)
         try:
-            out = decode_chunk(data, self.chunk_shape, self.dtype, out=out, channels_first=channels_first,
-                               rows=stop - start)
+            return self.decoder(index).decode(out=out, channels_first=channels_first, rows=range(stop - start))[
+                : stop - start]
         except CorruptChunkError as e:
             raise CorruptChunkError(f"array {self.name}: chunk {index}: {e}") from None
-        return out[: stop - start]
+
+    def decoder(self, index: int) -> ChunkDecoder:
+        """Chunk ``index`` read, checked and ready to decode (see :class:`dctchop.codec.ChunkDecoder`)."""
+        data = self.raw(index)
+        try:
+            return ChunkDecoder(data, self.chunk_shape, self.dtype)
+        except CorruptChunkError as e:
+            raise CorruptChunkError(f"array {self.name}: chunk {index}: {e}") from None
 
     def coded(self, index: int) -> StoredChunk:
         """Chunk ``index`` before the inverse transform (see :func:`dctchop.codec.read_stored`); padded to the chunk shape."""
@@ -215,19 +229,46 @@ def _is_bool_index(key) -> bool:
         isinstance(key, list) and bool(key) and all(isinstance(k, (bool, np.bool_)) for k in key))
 
 
+class _CachedChunk:
+    """A chunk as far as it is decoded: its samples (None until some are decoded; those not decoded hold
+    anything), which of its valid samples are decoded, and its decoder (None for chunks decoded whole on
+    creation: those read through Zarr, lossless copies)."""
+
+    def __init__(self, samples: np.ndarray | None, done: np.ndarray, decoder: ChunkDecoder | None,
+                 sample_nbytes: int) -> None:
+        self.samples, self.done, self.decoder = samples, done, decoder
+        self.sample_nbytes = sample_nbytes
+        self.lock = threading.Lock()  # decodes and copies one at a time: a slab's values are written more than once
+        self.shared = False  # whether the samples array was handed out (ArrayView.chunk): never reused then
+        self.counted = (0, 0)  # its bytes in the view's totals
+
+    @property
+    def nbytes(self) -> tuple[int, int]:
+        """(coded, decoded) bytes it holds."""
+        decoded = int(np.count_nonzero(self.done)) * self.sample_nbytes if self.samples is not None else 0
+        return self.decoder.nbytes if self.decoder is not None else 0, decoded
+
+
 class ArrayView:
     """One array of a store, indexed along the sample axis (axis 0) and decoded on demand.
 
-    Keeps the last :data:`CACHED_CHUNKS` decoded chunks, so sequential reads decode each chunk once; a
-    request that spans several chunks decodes them on ``threads`` threads. Reading single samples in random
-    order decodes a whole chunk for each: :class:`dctchop.Loader` is the way to shuffle.
+    Decodes only the slabs that hold the samples a request needs: a few samples in small slabs (10 images of
+    32x32 RGB, one 32³ field), more in the big ones (about 1 MB of coefficients). Keeps the checked bytes of
+    the chunks it read, up to :data:`CODED_CACHE_BYTES`, and what it decoded, up to
+    :data:`DECODED_CACHE_BYTES` (least recently used first out): reading in order decodes each chunk once, and
+    a random read of a chunk whose bytes are kept costs a small slab's decode, not the chunk's zstd and
+    decode. A request that spans several chunks decodes them on ``threads`` threads. :class:`dctchop.Loader`
+    is still the fast way to shuffle for training.
     """
 
     def __init__(self, reader, info: dict | None, threads: int) -> None:
         self._reader = reader
         self.info = info or {}
         self._threads = threads
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[int, _CachedChunk] = OrderedDict()  # least recently used first
+        self._bytes = (0, 0)  # what the cached chunks hold: coded, decoded
+        self._decoded: OrderedDict[int, _CachedChunk] = OrderedDict()  # those whose samples may be dropped
+        self._spare: list[np.ndarray] = []  # samples arrays of the chunk shape dropped, to decode into again
         self._lock = threading.Lock()
 
     @property
@@ -268,23 +309,99 @@ class ArrayView:
 
     def chunk(self, index: int) -> np.ndarray:
         """All samples of chunk ``index`` (read-only; shared with the cache)."""
+        entry = self._entry(index)
+        with entry.lock:
+            self._decode_missing(index, entry, np.arange(entry.done.size))
+            entry.shared = True
+            out = entry.samples[: entry.done.size]
+        out.flags.writeable = False  # every sample is decoded and the array is never reused: nothing writes to it
+        return out
+
+    def _read(self, index: int, rows: np.ndarray, out: np.ndarray) -> None:
+        """Samples ``rows`` of chunk ``index`` (indices within it) into ``out``, decoding what is missing first."""
+        entry = self._entry(index)
+        with entry.lock:  # the copy waits for a decode: big slabs may decode samples that small ones did
+            self._decode_missing(index, entry, rows)
+            np.take(entry.samples, rows, axis=0, out=out, mode="clip")  # rows are in range; "raise" would buffer
+
+    def _decode_missing(self, index: int, entry: _CachedChunk, rows: np.ndarray) -> None:
+        """Decode the samples of ``rows`` that ``entry`` (chunk ``index``) lacks, with the rest of their slabs. A
+        read that goes on from decoded samples (the one before its first is decoded) decodes the rest of the
+        chunk: reading in order then decodes chunks in their big slabs. Called with ``entry.lock`` held."""
+        missing = np.unique(rows[~entry.done[rows]])
+        if not missing.size:
+            return
+        if missing[0] > 0 and entry.done[missing[0] - 1]:
+            missing = missing[0] + np.flatnonzero(~entry.done[missing[0]:])
+        if entry.samples is None:
+            with self._lock:
+                entry.samples = self._spare.pop() if self._spare else None
+            if entry.samples is None:
+                entry.samples = np.empty(self._reader.chunk_shape, self.dtype)
+        entry.decoder.decode(out=entry.samples, rows=missing)
+        for a, b in entry.decoder.ranges(missing):
+            entry.done[a:b] = True
+        self._count(index, entry)
+
+    def _count(self, index: int, entry: _CachedChunk) -> None:
+        """Bring the bytes of chunk ``index`` (``entry``, unless dropped meanwhile) up to date in the totals, then
+        keep them within :data:`CODED_CACHE_BYTES` and :data:`DECODED_CACHE_BYTES`, least recently decoded or
+        read first: first dropping chunks' decoded samples (their arrays are decoded into again: fresh pages
+        would cost a quarter of the decode), then whole chunks (never the most recent)."""
+        with self._lock:
+            cached = self._cache.get(index) is entry
+            if cached:
+                self._add(entry)
+            self._decoded.pop(index, None)  # this one's samples are kept: they are being read
+            while self._bytes[1] > DECODED_CACHE_BYTES and self._decoded:
+                _, old = self._decoded.popitem(last=False)
+                if old.lock.acquire(blocking=False):  # one another thread is reading is left alone
+                    try:
+                        if not old.shared and len(self._spare) < SPARE_ARRAYS:
+                            self._spare.append(old.samples)
+                        old.samples, old.shared, old.done[:] = None, False, False
+                        self._add(old)
+                    finally:
+                        old.lock.release()
+            if cached and entry.decoder is not None and entry.samples is not None:
+                self._decoded[index] = entry
+            while len(self._cache) > 1 and (self._bytes[0] > CODED_CACHE_BYTES
+                                            or self._bytes[1] > DECODED_CACHE_BYTES):
+                oldest, dropped = self._cache.popitem(last=False)
+                self._decoded.pop(oldest, None)
+                self._bytes = tuple(t - c for t, c in zip(self._bytes, dropped.counted))
+
+    def _add(self, entry: _CachedChunk) -> None:
+        """Update the totals for what a cached ``entry`` holds now; with ``self._lock`` held."""
+        now = entry.nbytes
+        self._bytes = tuple(t + n - c for t, n, c in zip(self._bytes, now, entry.counted))
+        entry.counted = now
+
+    def _entry(self, index: int) -> _CachedChunk:
         with self._lock:
             if index in self._cache:
                 self._cache.move_to_end(index)
                 return self._cache[index]
-        out = self._reader.decode(index)
-        out.setflags(write=False)
-        with self._lock:
-            self._cache[index] = out
-            while len(self._cache) > CACHED_CHUNKS:
-                self._cache.popitem(last=False)
-        return out
+        sample_nbytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        if self._reader.direct:
+            start, stop = _chunk_bounds(index, self.chunk_len, self.shape[0])
+            entry = _CachedChunk(None, np.zeros(stop - start, bool), self._reader.decoder(index), sample_nbytes)
+        else:
+            samples = self._reader.decode(index)
+            entry = _CachedChunk(samples, np.ones(len(samples), bool), None, sample_nbytes)
+        with self._lock:  # another thread may have made one meanwhile
+            entry = self._cache.setdefault(index, entry)
+            self._cache.move_to_end(index)
+        self._count(index, entry)
+        return entry
 
     def __getitem__(self, key) -> np.ndarray:
         """numpy's indexing: the samples the key selects along axis 0 are decoded, then the whole key is
         applied to them with that part renumbered."""
         if not self.shape:
             return np.asarray(self._reader.array[...])[key]
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):  # ds[i], the usual read: no key parsing
+            return self._samples(_sample_index(key, self.shape[0])[0])[0]
         key = key if isinstance(key, tuple) else (key,)
         at = self._sample_axis_at(key)
         if at is None:
@@ -311,15 +428,25 @@ class ArrayView:
         # zeros: the padding bytes of records stay defined (np.empty would leave whatever memory held)
         out = (np.zeros if self.dtype.kind == "V" else np.empty)((idx.size, *self.shape[1:]), dtype=self.dtype)
         chunk_of = idx // self.chunk_len
-        needed = np.unique(chunk_of)
-        if needed.size > 1 and self._threads > 1:
-            with ThreadPoolExecutor(min(self._threads, needed.size), thread_name_prefix="dctchop-read") as pool:
-                decoded = dict(zip(needed.tolist(), pool.map(self.chunk, needed.tolist())))
+        needed = np.unique(chunk_of).tolist()
+        if len(needed) <= 1:
+            if not needed:
+                return out
+            self._read(needed[0], idx - needed[0] * self.chunk_len, out)
+            return out
+        where = {c: np.flatnonzero(chunk_of == c) for c in needed}
+
+        def read(c: int) -> None:
+            part = np.empty((where[c].size, *out.shape[1:]), out.dtype)
+            self._read(c, idx[where[c]] - c * self.chunk_len, part)
+            out[where[c]] = part
+
+        if self._threads > 1:
+            with ThreadPoolExecutor(min(self._threads, len(needed)), thread_name_prefix="dctchop-read") as pool:
+                list(pool.map(read, needed))
         else:
-            decoded = {int(c): self.chunk(int(c)) for c in needed}
-        for c, data in decoded.items():
-            where = np.flatnonzero(chunk_of == c)
-            out[where] = data[idx[where] - c * self.chunk_len]
+            for c in needed:
+                read(c)
         return out
 
     def __array__(self, dtype=None, copy=None):

@@ -981,6 +981,17 @@ def slabs(plan: TransformPlan, n_values: int) -> tuple[Slab, ...]:
     return _slabs(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, n_values)
 
 
+def slab_bounds(plan: TransformPlan, n_values: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first and the end sample (along axis 0) of each of ``slabs(plan, n_values)``, as arrays."""
+    return _slab_bounds(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, n_values)
+
+
+@lru_cache(maxsize=16)
+def _slab_bounds(shape, axes, block, keep, mask, n_values: int) -> tuple[np.ndarray, np.ndarray]:
+    parts = _slabs(shape, axes, block, keep, mask, n_values)
+    return np.array([p.start for p in parts]), np.array([p.stop for p in parts])
+
+
 def _units(plan: TransformPlan, axis: int) -> tuple[int, int, int]:
     """(length, number, coefficient rows) of the whole units of ``axis``: its full blocks when it is
     transformed, else single rows."""

@@ -23,6 +23,7 @@ from dctchop.codec import (
     FLAG_OFFSET,
     FORMAT_VERSION,
     MAGIC,
+    ChunkDecoder,
     ChunkSettings,
     DctChopCodec,
     _read_step_table,
@@ -353,15 +354,21 @@ def test_decode_channels_first(precision, threads):
 
 
 @pytest.mark.parametrize(("shape", "axes", "block", "precision", "slab", "rows"), [
-    ((60, 16, 24, 3), (1, 2, 3), (8, 8, 3), "int16", 2000, 7),  # samples in many slabs
-    ((60, 16, 24, 3), (1, 2, 3), (8, 8, 3), "float16", 2000, 57),  # plain stored values
-    ((3, 45, 37, 3), (1, 2, 3), (8, 8, 3), "int16", 2000, 2),  # samples cut in strips
-    ((27, 16, 16), (0, 1, 2), (8, 8, 8), "int16", 600, 10),  # axis 0 transformed: a block straddles row 10
-    ((27, 16, 16), (0, 1, 2), (8, 8, 8), "int16", 600, 27),
+    ((60, 16, 24, 3), (1, 2, 3), (8, 8, 3), "int16", 2000, range(7)),  # an edge chunk's samples, in many slabs
+    ((60, 16, 24, 3), (1, 2, 3), (8, 8, 3), "int16", 8000, [3]),  # one sample: a small slab
+    ((60, 16, 24, 3), (1, 2, 3), (8, 8, 3), "int16", 8000, [0, 1, 30, 58, 59]),
+    ((60, 16, 24, 3), (1, 2, 3), (8, 8, 3), "float16", 2000, range(57)),  # plain stored values
+    ((60, 16, 24, 3), (1, 2, 3), (8, 8, 3), "float16", 8000, [44]),
+    ((3, 45, 37, 3), (1, 2, 3), (8, 8, 3), "int16", 2000, range(2)),  # samples cut in strips
+    ((3, 45, 37, 3), (1, 2, 3), (8, 8, 3), "int16", 2000, [1]),
+    ((27, 16, 16), (0, 1, 2), (8, 8, 8), "int16", 600, range(10)),  # axis 0 transformed: a block straddles row 10
+    ((27, 16, 16), (0, 1, 2), (8, 8, 8), "int16", 600, range(27)),
+    ((27, 16, 16), (0, 1, 2), (8, 8, 8), "int16", 6000, [9, 26]),
 ])
-def test_decode_first_rows_only(shape, axes, block, precision, slab, rows, monkeypatch):
-    """An edge chunk's reader asks for its valid samples only: those come out bit for bit as in a whole decode,
-    the slabs after them are skipped (their part of ``out`` keeps what it held)."""
+def test_decode_some_rows_only(shape, axes, block, precision, slab, rows, monkeypatch):
+    """A reader that needs some samples only (an edge chunk's valid ones, a random read) gets them bit for bit
+    as in a whole decode, with the rest of the slabs that hold them, and nothing else: the other samples of
+    ``out`` keep what they held. Few samples decode in the small slabs."""
     import dctchop.codec as codec_module
 
     monkeypatch.setattr(codec_module, "SLAB_VALUES", slab)
@@ -369,13 +376,22 @@ def test_decode_first_rows_only(shape, axes, block, precision, slab, rows, monke
     x = np.clip(rng.normal(128, 20, size=shape).cumsum(axis=1) / 4, 0, 255).astype(np.uint8)
     data = encode_chunk(x, ChunkSettings(axes=axes, block=block, keep=block, precision=precision))
     whole = decode_chunk(data, shape, x.dtype)
+    decoder = ChunkDecoder(data, shape, x.dtype)
     out = np.full(shape, 7, np.uint8)
-    assert decode_chunk(data, shape, x.dtype, out=out, rows=rows) is out
-    np.testing.assert_array_equal(out[:rows], whole[:rows])
-    starts = [part.start for part in codec_module.slabs(make_plan(shape, axes, block, block), slab)]
-    decoded_to = min([s for s in starts if s >= rows], default=shape[0])
-    assert (out[decoded_to:] == 7).all()
-    assert decoded_to < shape[0] or rows > starts[-1]
+    assert decoder.decode(out=out, rows=rows) is out
+    ranges = decoder.ranges(rows)
+    decoded = np.zeros(shape[0], bool)
+    for a, b in ranges:
+        decoded[a:b] = True
+    assert decoded[list(rows)].all()
+    np.testing.assert_array_equal(out[decoded], whole[decoded])
+    assert (out[~decoded] == 7).all()
+    plan = make_plan(shape, axes, block, block)
+    big = {(p.start, p.stop) for p in codec_module.slabs(plan, slab)}
+    small = {(p.start, p.stop) for p in codec_module.slabs(plan, slab // codec_module.FEW_ROWS_SLAB_DIVISOR)}
+    held = sum(b - a for a, b in big if any(a <= r < b for r in rows))
+    assert set(ranges) <= (small if 2 * len(rows) < held else big)
+    assert decoder.ranges(None) == sorted(big)
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "float16", "float32", "float64"])

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import h5py
@@ -22,7 +23,7 @@ import zarr
 
 import dctchop
 from dctchop import quantize as qz
-from dctchop.codec import ChunkSettings, decode_chunk, encode_chunk, read_header, read_stored
+from dctchop.codec import ChunkDecoder, ChunkSettings, decode_chunk, encode_chunk, read_header, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.formats import open_source
 from dctchop.loader import epoch_order, share_size
@@ -393,17 +394,15 @@ def test_batch_arrays_are_reused_only_once_nothing_refers_to_them(image_store):
 def test_chunks_decode_into_reused_buffers_and_batches_stay_right(image_store, decoded, monkeypatch, dtype):
     """Chunks decode into buffers that earlier chunks used (fresh pages cost the kernel's zeroing of them),
     never into one that a batch still waiting to be gathered needs: every batch holds exactly its samples."""
-    import dctchop.dataset as dataset_module
-
     buffers = []
-    decode = dataset_module.decode_chunk
+    decode = ChunkDecoder.decode
 
-    def recording(data, shape, dtype, threads=1, out=None, channels_first=False, rows=None):
+    def recording(self, threads=1, out=None, channels_first=False, rows=None):
         assert channels_first  # NHWC yielded channels-first: decoded that way, into (n, 3, 32, 32) buffers
         buffers.append(out.ctypes.data)
-        return decode(data, shape, dtype, threads, out=out, channels_first=channels_first, rows=rows)
+        return decode(self, threads, out=out, channels_first=channels_first, rows=rows)
 
-    monkeypatch.setattr(dataset_module, "decode_chunk", recording)
+    monkeypatch.setattr(ChunkDecoder, "decode", recording)
     loader = dctchop.Loader(image_store, batch_size=50, seed=2, arrays=["images", "index"], dtype=dtype,
                             threads=3, prefetch=1, window=2)
     for epoch in range(3):
@@ -415,7 +414,8 @@ def test_chunks_decode_into_reused_buffers_and_batches_stay_right(image_store, d
 
 def test_edge_chunk_decodes_its_samples_only(image_store, decoded, monkeypatch):
     """The short last chunk (24 of 64 samples) decodes only the slabs that hold its samples (16 samples a slab
-    here): the same values as Zarr's decode of the whole chunk."""
+    here): the same values as Zarr's decode of the whole chunk. A view's read of a few samples decodes them in
+    the small slabs (2 samples here)."""
     import dctchop.codec as codec_module
 
     monkeypatch.setattr(codec_module, "SLAB_VALUES", 16 * 32 * 32 * 3)
@@ -428,8 +428,113 @@ def test_edge_chunk_decodes_its_samples_only(image_store, decoded, monkeypatch):
 
     monkeypatch.setattr(codec_module, "inverse_band_major", counting)
     ds = dctchop.open(image_store)
+    assert N_IMAGES == 9 * 64 + 24
+    np.testing.assert_array_equal(ds["images"]._reader.decode(9), decoded[9 * 64 :])  # as the loader reads it
+    assert len(slabs_decoded) == 2
+    slabs_decoded.clear()
     np.testing.assert_array_equal(ds["images"][N_IMAGES - 30 :], decoded[N_IMAGES - 30 :])
-    assert len(slabs_decoded) == 4 + 2  # chunk 8 whole, chunk 9's first 24 samples
+    assert len(slabs_decoded) == 3 + 2  # chunk 8's last 6 samples in small slabs, chunk 9's 24 in big ones
+
+
+def _random_read(view, reference, rng):
+    """One random read of ``view`` (a sample, a fancy index, a slice or a whole chunk), checked against
+    ``reference``."""
+    n, kind = len(reference), rng.integers(4)
+    if kind == 0:
+        i = int(rng.integers(n))
+        got, want = view[i], reference[i]
+    elif kind == 1:
+        idx = rng.integers(0, n, size=int(rng.integers(1, 40)))
+        got, want = view[idx], reference[idx]
+    elif kind == 2:
+        a = int(rng.integers(n))
+        got, want = view[a : a + 37], reference[a : a + 37]
+    else:
+        c = int(rng.integers(view.n_chunks))
+        got, want = view.chunk(c), reference[c * view.chunk_len : (c + 1) * view.chunk_len]
+    np.testing.assert_array_equal(got, want)
+
+
+# (coded, decoded) budgets: the defaults; decoded samples dropped; whole chunks dropped; nothing kept
+@pytest.mark.parametrize("budgets", [None, (10**9, 150_000), (150_000, 10**9), (0, 0)])
+def test_random_reads_are_right_within_the_memory_budget(image_store, decoded, monkeypatch, budgets):
+    """Random reads give the decoded samples whatever the view keeps. Its count of the bytes it keeps is
+    right, and over a budget only while it keeps nothing but the chunk last read; a whole chunk handed out
+    stays as it was when the view drops it."""
+    import dctchop.dataset as dataset_module
+
+    if budgets is not None:
+        monkeypatch.setattr(dataset_module, "CODED_CACHE_BYTES", budgets[0])
+        monkeypatch.setattr(dataset_module, "DECODED_CACHE_BYTES", budgets[1])
+    view = dctchop.open(image_store)["images"]
+    first = view.chunk(0)
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        _random_read(view, decoded, rng)
+        kept = list(view._cache.values())
+        assert view._bytes == tuple(np.sum([e.counted for e in kept], axis=0)) == tuple(
+            np.sum([e.nbytes for e in kept], axis=0))
+        assert len(kept) == 1 or (view._bytes[0] <= dataset_module.CODED_CACHE_BYTES
+                                  and view._bytes[1] <= dataset_module.DECODED_CACHE_BYTES)
+        assert set(view._decoded) <= set(view._cache)
+        assert len(view._spare) <= dataset_module.SPARE_ARRAYS
+    np.testing.assert_array_equal(first, decoded[:CHUNK])
+    assert not first.flags.writeable
+
+
+def test_a_random_read_decodes_a_small_slab_and_reading_on_decodes_the_rest(image_store, decoded, monkeypatch):
+    """A single sample decodes one small slab (10 images of 32x32 RGB); reading in order goes on with the rest
+    of the chunk in big slabs: about two slab decodes per chunk."""
+    import dctchop.codec as codec_module
+
+    calls = []
+    inverse = codec_module.inverse_band_major
+
+    def counting(*args):
+        calls.append(args[3].n_values)  # the slab's values
+        return inverse(*args)
+
+    monkeypatch.setattr(codec_module, "inverse_band_major", counting)
+    view = dctchop.open(image_store)["images"]
+    np.testing.assert_array_equal(view[100], decoded[100])
+    assert calls == [10 * 32 * 32 * 3]
+    calls.clear()
+    for i in range(N_IMAGES):
+        np.testing.assert_array_equal(view[i], decoded[i])
+    assert len(calls) <= 2 * view.n_chunks + 1
+
+
+@pytest.mark.parametrize("store", ["image_store", "field_store"])  # uint8; float32 with an offset added
+def test_threads_reading_one_view_at_once_get_their_samples(store, request, monkeypatch):
+    """Threads reading random samples of one view, while slabs are decoded (small ones, then big ones over
+    samples already decoded) and dropped, each get exactly their samples. Here a decode first fills its slabs
+    with a wrong value for a while, as a kernel's output passes through other values (before the offset is
+    added, say): no read may copy them meanwhile."""
+    import dctchop.codec as codec_module
+    import dctchop.dataset as dataset_module
+
+    path = request.getfixturevalue(store)
+    reference = np.asarray(zarr.open_group(str(path), mode="r")[dctchop.open(path).main.name])
+    view = dctchop.open(path).main
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", 4 * reference[0].size)
+    monkeypatch.setattr(dataset_module, "DECODED_CACHE_BYTES", 20 * reference[0].nbytes)
+    decode = ChunkDecoder.decode
+
+    def slowly(self, threads=1, out=None, channels_first=False, rows=None):
+        for a, b in self.ranges(rows):
+            out[a:b] = 77
+        time.sleep(0.002)
+        return decode(self, threads, out, channels_first, rows)
+
+    monkeypatch.setattr(ChunkDecoder, "decode", slowly)
+
+    def reads(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(150):
+            _random_read(view, reference, rng)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(reads, range(4)))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "uint8"])  # gathered with conversion; copied as decoded
