@@ -478,19 +478,20 @@ SLAB_VALUES = 1 << 18
 
 
 def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarray | None = None,
-                  channels_first: bool = False, offset: float = 0.0, rows=None) -> np.ndarray:
+                  channels_first: bool = False, offset: float = 0.0, parts: list[Slab] | None = None) -> np.ndarray:
     """Coefficients -> data one slab (:func:`dctchop.transform.slabs`) at a time, slabs shared among threads:
     a slab's values stay in cache from ``fill(first, seg_starts, seg_bands, values)`` (dequantized, storage
     order) through :func:`dctchop.transform.place` and the inverse passes, where the whole chunk's coefficients
     would stream through memory once per step. Slabs that allow it skip the placement and decode band-major
     (:func:`dctchop.transform.band_major`; single-threaded slabs only). ``channels_first``: see
     :func:`dctchop.transform.inverse`. A chunk's ``offset`` is added to each slab's output (in its dtype)
-    while it is in cache. ``rows``: see :meth:`ChunkDecoder.decode`."""
+    while it is in cache. ``parts``: the slabs to decode (:func:`_needed_slabs`; default all); the rest of
+    ``out`` is left as it is."""
     dtype = np.dtype(dtype)
     if out is None:
         shape = plan.shape
         out = np.empty(channels_first_shape(shape) if channels_first else shape, dtype)
-    parts = _needed_slabs(plan, rows)
+    parts = _needed_slabs(plan) if parts is None else parts
     inner_threads = threads if len(parts) == 1 else 1
     seg_bands = plan.order[2]
 
@@ -791,19 +792,23 @@ class ChunkDecoder:
         loader reuses its chunk buffers, where fresh pages would cost the kernel's zeroing of them).
         ``channels_first``: the last axis comes out as axis 1, NHWC as NCHW (``out`` then has that shape), as
         a loader yielding channels-first batches wants it. ``rows``: the samples (sorted indices along axis 0)
-        that are needed, as the valid samples of an array's edge chunk or a random read: only the slabs that
-        hold them are decoded (:meth:`ranges` says which samples those are); the other samples of ``out`` are
-        left as they are."""
+        that are needed, as the valid samples of an array's edge chunk: only the slabs that hold them are
+        decoded; the other samples of ``out`` are left as they are."""
+        return self._decode(_needed_slabs(self.plan, rows), threads, out, channels_first)
+
+    def decode_rows(self, out: np.ndarray, rows) -> list[tuple[int, int]]:
+        """:meth:`decode` of ``rows`` into ``out`` (as a random read wants them); returns the samples decoded, as
+        ``(start, stop)`` ranges of axis 0: whole slabs, so more than ``rows`` (a reader keeps the others)."""
+        parts = _needed_slabs(self.plan, rows)
+        self._decode(parts, 1, out, False)
+        return sorted({(p.start, p.stop) for p in parts})
+
+    def _decode(self, parts: list[Slab], threads: int, out: np.ndarray | None, channels_first: bool) -> np.ndarray:
         out_shape = channels_first_shape(self.plan.shape) if channels_first else self.plan.shape
         if out is not None and (out.shape != out_shape or out.dtype != self.dtype or not out.flags.c_contiguous):
             raise ValueError(f"out must be a C-contiguous {self.dtype}{list(out_shape)} array, got "
                              f"{out.dtype}{list(out.shape)}")
-        return _decode_slabs(self.plan, self.dtype, threads, self._fill, out, channels_first, self.offset, rows)
-
-    def ranges(self, rows) -> list[tuple[int, int]]:
-        """The samples, as ``(start, stop)`` ranges of axis 0, that :meth:`decode` with ``rows`` decodes: whole
-        slabs, so more than ``rows`` (a reader keeps the others)."""
-        return sorted({(p.start, p.stop) for p in _needed_slabs(self.plan, rows)})
+        return _decode_slabs(self.plan, self.dtype, threads, self._fill, out, channels_first, self.offset, parts)
 
 
 def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, threads: int = 1,

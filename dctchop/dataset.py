@@ -88,11 +88,8 @@ class _LossyArray:
         if not self.direct:
             x = np.asarray(self.array[start:stop])
             return np.ascontiguousarray(x.transpose(channels_first_axes(x.ndim))) if channels_first else x
-        try:
-            return self.decoder(index).decode(out=out, channels_first=channels_first, rows=range(stop - start))[
-                : stop - start]
-        except CorruptChunkError as e:
-            raise CorruptChunkError(f"array {self.name}: chunk {index}: {e}") from None
+        return self.decoder(index).decode(out=out, channels_first=channels_first, rows=range(stop - start))[
+            : stop - start]
 
     def decoder(self, index: int) -> ChunkDecoder:
         """Chunk ``index`` read, checked and ready to decode (see :class:`dctchop.codec.ChunkDecoder`)."""
@@ -338,8 +335,7 @@ class ArrayView:
                 entry.samples = self._spare.pop() if self._spare else None
             if entry.samples is None:
                 entry.samples = np.empty(self._reader.chunk_shape, self.dtype)
-        entry.decoder.decode(out=entry.samples, rows=missing)
-        for a, b in entry.decoder.ranges(missing):
+        for a, b in entry.decoder.decode_rows(entry.samples, missing):
             entry.done[a:b] = True
         self._count(index, entry)
 
