@@ -212,13 +212,18 @@ def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
 
 
 def _is_rare_index(key) -> bool:
-    """A key numpy reads in ways the sample lookup does not: a bool (which adds an axis), an index array of
-    more than one dimension (which shapes the result)."""
+    """A key numpy reads in ways the sample lookup does not: a bool, also as a 0-d array (which adds an axis),
+    an index array of more than one dimension (which shapes the result)."""
     if isinstance(key, (bool, np.bool_)):
         return True
     if isinstance(key, (list, np.ndarray)) or hasattr(key, "__array__"):
-        return np.ndim(key) > 1
+        return np.ndim(key) > 1 or np.ndim(key) == 0 and np.asarray(key).dtype == bool
     return False
+
+
+def _is_field_name(key) -> bool:
+    """A record array's field name, or a list of them (numpy selects those fields of every sample)."""
+    return isinstance(key, str) or isinstance(key, list) and bool(key) and all(isinstance(k, str) for k in key)
 
 
 def _is_bool_index(key) -> bool:
@@ -305,8 +310,12 @@ class ArrayView:
         return self.shape[0]
 
     def chunk(self, index: int) -> np.ndarray:
-        """All samples of chunk ``index`` (read-only; shared with the cache)."""
-        entry = self._entry(index)
+        """All samples of chunk ``index`` (negative: from the end; read-only, shared with the cache)."""
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"chunk index must be an int, got {index!r}")
+        if not -self.n_chunks <= index < self.n_chunks:
+            raise IndexError(f"chunk {index} is out of range for {self.n_chunks} chunks of array {self.name}")
+        entry = self._entry(int(index) % self.n_chunks)
         with entry.lock:
             self._decode_missing(index, entry, np.arange(entry.done.size))
             entry.shared = True
@@ -398,6 +407,8 @@ class ArrayView:
             return np.asarray(self._reader.array[...])[key]
         if isinstance(key, (int, np.integer)) and not isinstance(key, bool):  # ds[i], the usual read: no key parsing
             return self._samples(_sample_index(key, self.shape[0])[0])[0]
+        if _is_field_name(key):
+            return self._samples(np.arange(self.shape[0]))[key]
         key = key if isinstance(key, tuple) else (key,)
         at = self._sample_axis_at(key)
         if at is None:

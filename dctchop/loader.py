@@ -216,8 +216,8 @@ def _normalisation(mean, std, item_shape: tuple[int, ...], channel_axis: int | N
         s = np.atleast_1d(np.asarray(1.0 if std is None else std, dtype=np.float64))
     except (TypeError, ValueError):  # not numbers
         m = s = None
-    if m is None or m.ndim != 1 or s.ndim != 1:
-        raise DctchopError("mean and std must be numbers or 1-D sequences (one value per channel)")
+    if m is None or m.ndim != 1 or s.ndim != 1 or not m.size or not s.size:
+        raise DctchopError("mean and std must be numbers or non-empty 1-D sequences (one value per channel)")
     count = max(m.size, s.size)
     if count > 1:
         if channel_axis is None:
@@ -488,7 +488,8 @@ class Loader:
         ``train/images``), else at the root, with as many entries as the main array has samples."""
         ds = self.dataset
         candidates = dict.fromkeys([posixpath.join(posixpath.dirname(ds.main.name), "labels"), "labels"])
-        return [n for n in candidates if n in ds.lossless_names and ds.array(n).shape[:1] == ds.shape[:1]]
+        found = [ds.array(n) for n in candidates if n in ds]  # through links the source file had
+        return list(dict.fromkeys(v.name for v in found if not v.lossy and v.shape[:1] == ds.shape[:1]))
 
     def _spec(self, name: str, first: bool, dtype, layout: str, mean, std) -> OutputSpec:
         view = self.dataset.array(name)
@@ -500,10 +501,13 @@ class Loader:
         item_shape = tuple(view.shape[p] for p in perm[1:])
         mean, scale = _normalisation(mean, std, item_shape, channel_axis, name) if first else (None, None)
         out = str(view.dtype) if dtype is None else dtype
-        if out == "uint8" and (view.dtype != np.uint8 or scale is not None):
-            raise DctchopError(f"dtype uint8 needs uint8 data without mean/std ({name} is {view.dtype})")
         if scale is not None and np.dtype(out if out != "bfloat16" else "float32").kind != "f":
-            raise DctchopError(f"mean/std need a floating-point dtype, got {out}")
+            hint = ""
+            if dtype is None:
+                hint = f" ({name} is stored as {out}, which dtype=None keeps; pass dtype='float32')"
+            raise DctchopError(f"mean/std need a floating-point output dtype, got {out}{hint}")
+        if out == "uint8" and view.dtype != np.uint8:
+            raise DctchopError(f"dtype uint8 needs uint8 data ({name} is {view.dtype})")
         work = "float64" if view.dtype.kind == "f" and view.dtype.itemsize >= 4 else "float32"
         if scale is not None:
             mean, scale = mean.astype(work), scale.astype(work)
@@ -529,8 +533,8 @@ class Loader:
         """Sample indices this loader yields in ``epoch`` (default: the current one), in order (within a
         batch the loader then groups them by chunk)."""
         return epoch_order(len(self.dataset), self.dataset.chunk_len, shuffle=self.shuffle, seed=self.seed,
-                           epoch=self.epoch if epoch is None else epoch, window=self.window, rank=self.rank,
-                           world_size=self.world_size, drop_last=self.drop_last, worker=self.worker,
+                           epoch=self.epoch if epoch is None else epoch_number(epoch), window=self.window,
+                           rank=self.rank, world_size=self.world_size, drop_last=self.drop_last, worker=self.worker,
                            num_workers=self.num_workers)
 
     @property

@@ -131,7 +131,8 @@ KEYS = [np.s_[..., 0], np.s_[..., :2], np.s_[..., 1, :], np.s_[7, ..., 2], np.s_
         np.s_[np.array(3)], np.s_[np.int8(-2), 1], np.s_[::-50, 1:3], np.s_[...], np.s_[()], np.s_[..., 5, 6, 1],
         np.s_[np.arange(600) % 9 == 0, ..., 1], np.s_[[], 0], np.s_[1, [0, 3], [1, 2]], np.s_[True], np.s_[False],
         np.s_[True, 0], np.s_[np.True_, ..., 0, 0, 0], np.s_[np.array([[1, 2], [3, 4]])], np.s_[[[1], [2]], [0, 1, 2]],
-        np.s_[np.arange(600 * 32).reshape(600, 32) % 97 == 0], np.s_[2:4, np.ones((32, 32), bool)]]
+        np.s_[np.arange(600 * 32).reshape(600, 32) % 97 == 0], np.s_[2:4, np.ones((32, 32), bool)],
+        np.s_[np.array(True)], np.s_[np.array(False), 3], np.s_[np.array(True), ..., 1]]
 
 
 @pytest.mark.parametrize("key", KEYS, ids=[repr(k) for k in KEYS])
@@ -139,6 +140,16 @@ def test_view_indexing_is_numpys(image_store, decoded, key):
     """Every key means what it means to numpy, ellipses and several integer arrays included."""
     got, want = dctchop.open(image_store)[key], decoded[key]
     assert got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_chunks_by_index_are_checked_like_samples(image_store, decoded):
+    images = dctchop.open(image_store)["images"]
+    np.testing.assert_array_equal(images.chunk(-1), decoded[(images.n_chunks - 1) * images.chunk_len:])
+    for index in (images.n_chunks, -images.n_chunks - 1):
+        with pytest.raises(IndexError, match=f"chunk {index} is out of range for {images.n_chunks} chunks"):
+            images.chunk(index)
+    with pytest.raises(TypeError, match="chunk index must be an int"):
+        images.chunk(1.0)
 
 
 def test_lossless_arrays_read_across_their_own_chunks(tmp_path, monkeypatch):
@@ -198,6 +209,18 @@ def test_default_labels_are_the_ones_beside_the_main_array(tmp_path):
     assert dctchop.Loader(tmp_path / "s.zarr", batch_size=8).names == ["train/images", "train/labels"]
     test = dctchop.open(tmp_path / "s.zarr", main="/test/images")
     assert dctchop.Loader(test, batch_size=8).names == ["test/images", "test/labels"]
+
+
+def test_default_labels_are_found_through_links(tmp_path):
+    """A root ``labels`` that is a soft link to where the file keeps them: the loader yields the target."""
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"] = np.random.default_rng(2).integers(0, 256, (40, 16, 16), dtype=np.uint8)
+        f["meta/labels"] = np.arange(40)
+        f["labels"] = h5py.SoftLink("/meta/labels")
+    compress(open_source(str(tmp_path / "in.h5")), tmp_path / "s.zarr", CompressOptions(chunk_samples=16))
+    loader = dctchop.Loader(tmp_path / "s.zarr", batch_size=8, shuffle=False)
+    assert loader.names == ["images", "meta/labels"]
+    assert next(iter(loader))[1].tolist() == list(range(8))
 
 
 def test_arrays_of_the_same_samples_are_chunked_alike_and_load_together(tmp_path):
@@ -570,6 +593,11 @@ def test_order_depends_on_seed_and_epoch_only(image_store):
     b = np.concatenate(list(loader))
     assert not np.array_equal(a, b) and sorted(a) == sorted(b)
     assert not np.array_equal(a, order(seed=2))
+    first = loader.indices(0)  # each batch's samples, which the loader yields grouped by chunk
+    assert all(sorted(first[k : k + 100]) == sorted(a[k : k + 100]) for k in range(0, a.size, 100))
+    for epoch in (-1, 1.5, "2"):
+        with pytest.raises(DctchopError, match="epoch must be a non-negative integer"):
+            loader.indices(epoch)
 
 
 def test_each_chunk_is_decoded_once_per_epoch(image_store, monkeypatch):
@@ -740,7 +768,10 @@ def test_a_damaged_chunk_is_reported_by_name(image_store, tmp_path):
     ({"batch_size": 4, "mean": [1, 2]}, "mean/std need 1 or 3 values"),
     ({"batch_size": 4, "mean": "abc"}, "mean and std must be numbers"),
     ({"batch_size": 4, "std": 0}, "std must be finite and non-zero"),
-    ({"batch_size": 4, "dtype": "uint8", "mean": 3}, "uint8 needs uint8 data without mean/std"),
+    ({"batch_size": 4, "mean": []}, "mean and std must be numbers or non-empty"),
+    ({"batch_size": 4, "mean": [], "std": []}, "mean and std must be numbers or non-empty"),
+    ({"batch_size": 4, "dtype": "uint8", "mean": 3}, "mean/std need a floating-point output dtype, got uint8$"),
+    ({"batch_size": 4, "dtype": None, "std": 2}, r"got uint8 \(images is stored as uint8, which dtype=None keeps"),
     ({"batch_size": 4, "layout": "NCHW"}, "layout must be one of"),
 ])
 def test_clear_errors(image_store, kwargs, message):
@@ -782,6 +813,9 @@ def test_records_and_byte_strings_load_as_numpy(record_store):
     _, names, records = next(iter(loader))
     assert names[3] == b"id00003" and records["id"].tolist() == list(range(40))
     np.testing.assert_array_equal(records["weight"], np.arange(40) / 2)
+    view = dctchop.open(record_store)["records"]
+    np.testing.assert_array_equal(view["weight"], np.arange(40) / 2)  # field names select as in numpy
+    assert view[["id"]].dtype.names == ("id",) and view[["id"]]["id"][7] == 7
 
 
 @pytest.mark.filterwarnings("ignore:The data type .* does not have a Zarr V3 specification")
