@@ -23,7 +23,7 @@ import click
 from dctchop._version import __version__
 from dctchop.cli.common import CONTEXT, PSNR_HELP, check_axes, fmt_db, fmt_mb, int_list
 from dctchop.cli.pictures import preview, sweep
-from dctchop.errors import DctchopError
+from dctchop.errors import DctchopError, first_line
 
 EXIT_USER, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 3, 130
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - the last line of defence: one line, unless --debug
         if debug:
             traceback.print_exc()
-        click.echo(f"dctchop: internal error: {type(e).__name__}: {e}", err=True)
+        click.echo(f"dctchop: internal error: {type(e).__name__}: {first_line(e)}", err=True)
         sys.exit(EXIT_INTERNAL)
 
 

@@ -78,7 +78,7 @@ def sweep(input_path, dataset, axes, sample, target_ratio, target_psnr, plot_pat
         check_png_path(plot_path)
         require_matplotlib("dctchop sweep --plot")
     result = run_sweep(input_path, dataset=dataset, sample=sample, axes=axes)
-    rec = recommend(result, target_ratio=target_ratio, target_psnr=target_psnr, axes_text=axes)
+    rec = recommend(result, target_ratio=target_ratio, target_psnr=target_psnr, axes_text=axes, dataset=dataset)
     result["recommendation"] = rec
     if plot_path is not None:
         width, height = plot(result, rec, plot_path)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from dctchop.errors import DctchopError
+from dctchop.errors import DctchopError, first_line
 from dctchop.inspect import open_store, read_rows, require_intact
 from dctchop.location import Location
 from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges
@@ -48,28 +50,28 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
         raise DctchopError(f"output {output} is a directory; name a .npy or .h5 file")
     if output.exists() and not overwrite:
         raise DctchopError(f"output {output} exists; pass overwrite=True (--overwrite) to replace it")
+    lossless = set(info.get("lossless", []))
+    arrays = {n: LosslessCopy(group[n], info, n) if n in lossless else group[n] for n in names}
+    _check_space(output, sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays.values()) + (64 << 10))
     tmp = output.with_name(f".{output.name}.dctchop-tmp-{os.getpid()}")
     try:
-        lossless = set(info.get("lossless", []))
-
-        def array(name: str):
-            return LosslessCopy(group[name], info, name) if name in lossless else group[name]
-
         if suffix == ".npy":
-            arr = array(names[0])
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=arr.dtype, shape=arr.shape)
-            _copy_rows(arr, out.__setitem__, arr.chunks[0] if arr.shape else 1, f"{store}: array {names[0]}")
-            out.flush()
-            del out
+            arr = arrays[names[0]]
+            with open(tmp, "wb") as fh:  # in order: a memory map dies of SIGBUS when the disk fills
+                _write_npy_header(fh, arr.dtype, arr.shape)
+                _copy_rows(arr, lambda _, rows: fh.write(np.ascontiguousarray(rows).tobytes()),
+                           arr.chunks[0] if arr.shape else 1, f"{store}: array {names[0]}")
         else:
             with h5py.File(tmp, "w") as h5:
                 h5.attrs.update({k: _h5_attr(v) for k, v in group.attrs.items() if k != "dctchop"})
                 for path, g in group.groups():
                     if path != META_GROUP:
                         _copy_group(g, h5.require_group(path))
+                enums = info.get("enums", {})
                 for name in names:
-                    arr = array(name)
-                    ds = h5.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
+                    arr = arrays[name]
+                    dtype = h5py.enum_dtype(enums[name], basetype=arr.dtype) if name in enums else arr.dtype
+                    ds = h5.create_dataset(name, shape=arr.shape, dtype=dtype)
                     ds.attrs.update({k: _h5_attr(v) for k, v in arr.attrs.items()})
                     _copy_rows(arr, ds.__setitem__, arr.chunks[0] if arr.shape else 1, f"{store}: array {name}")
                 for path, dtypes in info.get("attr_dtypes", {}).items():  # JSON widened them: int16 -> int64
@@ -81,13 +83,32 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
                     target = link["target"]
                     h5[link["path"]] = h5py.SoftLink(target) if link["kind"] == "soft" else h5[target]
         os.replace(tmp, output)
-    except BaseException:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # a read-only directory refuses even to unlink what is not there
             tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # a full disk, a read-only directory; h5py's messages run over lines
+            reason = os.strerror(e.errno) if e.errno else first_line(e)
+            raise DctchopError(f"decompress failed: {reason}; {output} was not written") from None
         raise
     return names
+
+
+def _check_space(output: Path, needed: int) -> None:
+    """Refuse before decoding anything when the output cannot fit (``needed``: its data plus room for headers).
+    Besides saving the time, HDF5 that meets a full disk while it closes a file leaves ids that crash the
+    interpreter at exit (h5py 3.x). Filesystems that report no size at all are not checked."""
+    usage = shutil.disk_usage(output.parent)
+    if usage.total and usage.free < needed:
+        raise DctchopError(f"output {output} needs about {needed / 1e6:.2f} MB, and {output.parent} has "
+                           f"{usage.free / 1e6:.2f} MB free")
+
+
+def _write_npy_header(fh, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+    try:
+        np.lib.format.write_array_header_1_0(fh, header)
+    except ValueError:  # a header over 64 KiB (records of many fields) needs format 2.0
+        np.lib.format.write_array_header_2_0(fh, header)
 
 
 def _copy_group(zgroup, hgroup) -> None:

@@ -370,7 +370,7 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
     names = list(info["arrays"])
     if not names:
         raise DctchopError(f"{store} holds no compressed array")
-    name = array if array is not None else main_array(info["arrays"])
+    name = array.lstrip("/") if array is not None else main_array(info["arrays"])  # HDF5's /name too
     if name not in info["arrays"]:
         raise DctchopError(f"{store} has no compressed array {name!r}; it has {', '.join(names)}")
     entry = info["arrays"][name]

@@ -55,7 +55,7 @@ from dctchop.formats import Source, SourceArray
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
 from dctchop.layout import colour_axis, infer_axes
 from dctchop.location import Location
-from dctchop.transform import make_plan, per_axis, resolve_threads
+from dctchop.transform import check_blocks, make_plan, per_axis, resolve_threads
 
 # 3: every chunk of the lossless copies is written, even one of fill values, so a missing one is damage;
 # 2: chunk files of the lossy and metadata arrays named c.I.0.0 ("." separator); 1: c/I/0/0
@@ -195,6 +195,7 @@ def plan_array(source: Source, array: SourceArray, options: CompressOptions) -> 
             raise DctchopError(f"{name}: transformed axis {a} has length {array.shape[a]}; pick other --axes")
     target = options.target or default_target(array.dtype)
     block = per_axis(options.block, len(axes), "--block")
+    check_blocks(block)  # before the chunking divides by it
     keep = per_axis(target.value, len(axes), "--keep") if target.kind == "keep" else block
     if colour is not None:  # the channel axis joins as one block, kept whole
         axes, block, keep = _with_axis(axes, block, keep, colour, array.shape[colour])
@@ -839,6 +840,7 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
         "lossless": [array_name(source, a) for a in source.lossless],
         **({"stored_as_bytes": records} if records else {}),
         **({"attr_dtypes": source.attr_dtypes} if source.attr_dtypes else {}),
+        **({"enums": {name.strip("/"): labels for name, labels in source.enums.items()}} if source.enums else {}),
         **({"links": [{"path": path, "target": target, "kind": kind} for path, target, kind in source.links]}
            if source.links else {}),
         "totals": {

@@ -261,10 +261,11 @@ def default_target(dtype) -> tuple[str, float]:
 
 
 def recommend(result: dict, target_ratio: float | None = None, target_psnr: float | None = None,
-              output: str | None = None, axes_text: str | None = None) -> dict:
+              output: str | None = None, axes_text: str | None = None, dataset: str | None = None) -> dict:
     """The setting to use for a target ratio (best PSNR with ratio >= R within 5%) or a target PSNR (highest
     ratio with PSNR >= D); default: the PSNR ``dctchop compress`` defaults to. Returns the target, the chosen
-    setting's index and name (``None`` when no setting qualifies, with the reason) and the command line."""
+    setting's index and name (``None`` when no setting qualifies, with the reason) and the command line
+    (with ``--dataset`` when the sweep was of a named ``dataset``: the settings are for that array)."""
     if target_ratio is not None and target_psnr is not None:
         raise DctchopError("give at most one of --target-ratio and --target-psnr")
     if target_ratio is not None:
@@ -294,14 +295,14 @@ def recommend(result: dict, target_ratio: float | None = None, target_psnr: floa
         return {**out, "index": None, "setting": None, "command": None, "reason": why}
     i, p = best
     return {**out, "index": i, "setting": p["name"], "ratio": p["ratio"], "psnr": p["psnr"],
-            "command": compress_command(result["input"], p["options"], output, axes_text)}
+            "command": compress_command(result["input"], p["options"], output, axes_text, dataset)}
 
 
 def compress_command(input_path: str, options: list[str], output: str | None = None,
-                     axes_text: str | None = None) -> str:
+                     axes_text: str | None = None, dataset: str | None = None) -> str:
     """``dctchop compress INPUT OUTPUT OPTIONS``, shell-quoted; OUTPUT defaults to INPUT's stem + .zarr."""
     output = output or Path(input_path).stem + ".zarr"
-    extra = ["--axes", axes_text] if axes_text else []
+    extra = (["--dataset", dataset] if dataset else []) + (["--axes", axes_text] if axes_text else [])
     return shlex.join(["dctchop", "compress", str(input_path), output, *extra, *options])
 
 

@@ -699,6 +699,12 @@ def _axis_view(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------- plans
 
 
+def check_blocks(block: tuple[int, ...]) -> None:
+    for b in block:
+        if not BLOCK_MIN <= b <= BLOCK_MAX:
+            raise DctchopError(f"block size must be {BLOCK_MIN}..{BLOCK_MAX}, got {b}")
+
+
 def _check_settings(shape, axes, block, keep, mask) -> None:
     ndim = len(shape)
     if not 1 <= len(axes) <= 3:
@@ -709,9 +715,8 @@ def _check_settings(shape, axes, block, keep, mask) -> None:
         raise DctchopError(f"axes must be increasing, got {list(axes)}")
     if len(block) != len(axes) or len(keep) != len(axes):
         raise DctchopError("block and keep need one value per transformed axis")
+    check_blocks(block)
     for b, k in zip(block, keep):
-        if not BLOCK_MIN <= b <= BLOCK_MAX:
-            raise DctchopError(f"block size must be {BLOCK_MIN}..{BLOCK_MAX}, got {b}")
         if not 1 <= k <= b:
             raise DctchopError(f"keep must be 1..block ({b}), got {k}")
     if mask not in MASKS:

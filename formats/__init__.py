@@ -150,6 +150,8 @@ class Source:
     attr_dtypes : dict
         HDF5 path (of a stored group or dataset) -> attribute -> numpy dtype string, for numeric attributes
         that JSON would widen (int16, float32, ...).
+    enums : dict
+        HDF5 path of a copied enum dataset -> its labels (name -> value); the array holds the values.
     dropped_attrs : tuple of str
         ``path@name`` of every attribute of a stored group or dataset that the store cannot keep, because
         JSON cannot hold its value (complex numbers, references, bytes that are not UTF-8, opaque data, ...)
@@ -165,6 +167,7 @@ class Source:
     left_out: tuple[str, ...] = ()
     links: tuple[tuple[str, str, str], ...] = ()
     attr_dtypes: dict[str, dict[str, str]] = field(default_factory=dict)
+    enums: dict[str, dict[str, int]] = field(default_factory=dict)
     dropped_attrs: tuple[str, ...] = ()
 
     def __hash__(self) -> int:  # groups is a dict: hash the identifying fields only
@@ -334,13 +337,22 @@ def _check_range(shape: tuple[int, ...], start, stop) -> tuple[int, int]:
 
 
 def native_dtype(dtype: np.dtype) -> np.dtype:
-    """``dtype`` in native byte order (fields too), without h5py metadata on plain dtypes."""
-    dtype = np.dtype(dtype)
-    if dtype.fields is None and dtype.subdtype is None:
-        dtype = np.dtype(dtype.str)  # drops metadata (h5py string/enum info)
+    """``dtype`` in native byte order (fields too), without h5py metadata (string/enum info), which numpy
+    would warn about wherever the dtype is written down."""
+    dtype = _without_metadata(np.dtype(dtype))
     if not _all_native(dtype):
         dtype = dtype.newbyteorder("=")
     return dtype
+
+
+def _without_metadata(dtype: np.dtype) -> np.dtype:
+    if dtype.fields is not None:
+        fields = [dtype.fields[n] for n in dtype.names]
+        return np.dtype({"names": dtype.names, "formats": [_without_metadata(f[0]) for f in fields],
+                         "offsets": [f[1] for f in fields], "itemsize": dtype.itemsize})
+    if dtype.subdtype is not None:
+        return np.dtype((_without_metadata(dtype.subdtype[0]), dtype.subdtype[1]))
+    return np.dtype(dtype.str)
 
 
 def _all_native(dtype: np.dtype) -> bool:
@@ -359,7 +371,8 @@ def _jsonable(value: Any) -> Any:
 
     numpy scalars become Python scalars, arrays become (nested) lists, bytes are decoded as UTF-8, tuples
     become lists. NaN and infinities stay floats (Python's json and Zarr write them). Anything else
-    (complex, references, undecodable bytes, ...) is dropped.
+    (complex, references, undecodable bytes, records: as lists their fields would come back as one
+    widened array, without names) is dropped.
     """
     if value is None or isinstance(value, (bool, str)):
         return value
@@ -373,13 +386,9 @@ def _jsonable(value: Any) -> Any:
         except UnicodeDecodeError:
             return _DROP
     if isinstance(value, np.generic):
-        if value.dtype.kind in "biufUS":
-            return _jsonable(value.item())
-        if value.dtype.kind == "V" and value.dtype.fields is not None:
-            return _jsonable(value.item())
-        return _DROP
+        return _jsonable(value.item()) if value.dtype.kind in "biufUS" else _DROP
     if isinstance(value, np.ndarray):
-        if value.dtype.kind in "biufUS" or (value.dtype.kind == "V" and value.dtype.fields is not None):
+        if value.dtype.kind in "biufUS":
             return _jsonable(value.tolist())
         if value.dtype.kind == "O":
             return _jsonable(value.tolist())

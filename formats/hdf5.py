@@ -503,6 +503,8 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         attributes = {**groups, **{name: _attributes(ds) for name, ds in lossy + kept}}  # of what is stored
         attr_dtypes = {path: a.dtypes for path, a in attributes.items() if a.dtypes}
         dropped_attrs = sorted(f"{path}@{key}" for path, a in attributes.items() for key in a.dropped)
+        enums = {name: {k: int(v) for k, v in labels.items()} for name, ds in kept
+                 if (labels := h5py.check_enum_dtype(ds.dtype)) is not None}
         groups = {path: a.values for path, a in groups.items()}
         lossy, kept = ([_source_array(file, name, ds, attributes[name].values) for name, ds in part]
                        for part in (lossy, kept))
@@ -515,7 +517,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
     f.close()
     return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups,
                   follow_external=follow_external, left_out=tuple(sorted(left_out)), links=links,
-                  attr_dtypes=attr_dtypes, dropped_attrs=tuple(dropped_attrs))
+                  attr_dtypes=attr_dtypes, enums=enums, dropped_attrs=tuple(dropped_attrs))
 
 
 class _Handle:
@@ -564,12 +566,13 @@ def read_hdf5(
     out = np.empty(out_shape, dtype=dtype)
     if out.size == 0:
         return out
-    sel = np.s_[start:stop] if shape else np.s_[()]
     try:
-        if ds.dtype.subdtype is None:
-            ds.read_direct(out, source_sel=sel if shape else None)
+        if not ds.shape:  # a scalar; of an HDF5 array datatype, its array is the shape read here
+            out[...] = ds[()][start:stop] if shape else ds[()]
+        elif ds.dtype.subdtype is None:
+            ds.read_direct(out, source_sel=np.s_[start:stop])
         else:  # HDF5 array datatype: h5py cannot read_direct into the expanded shape
-            out[...] = ds[sel]
+            out[...] = ds[start:stop]
     except _H5_ERRORS as exc:
         raise DctchopError(
             f"{file}: cannot read dataset {name} rows {start}:{stop} ({first_line(exc)})"

@@ -69,6 +69,8 @@ def read_header(file: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
             "save numeric data, or fixed-width strings, instead"
         )
     shape = tuple(int(n) for n in shape)
+    if any(not 0 <= n <= np.iinfo(np.intp).max for n in shape):
+        raise DctchopError(f"{file}: damaged .npy header (shape {shape})")
     need = math.prod(shape) * dtype.itemsize
     have = size - offset
     if have < need:
@@ -127,7 +129,7 @@ def _load(file: str) -> np.ndarray:
         return cached_handle(file, _open_map)
     except DctchopError:
         raise
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, OverflowError) as exc:
         raise DctchopError(f"{file}: cannot map .npy data ({first_line(exc)})") from None
 
 

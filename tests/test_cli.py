@@ -1241,6 +1241,24 @@ def test_scalar_hdf5_dataset_round_trips(data, tmp_path):
         assert f["version"].shape == () and f["version"][()] == np.float32(2.5)
 
 
+def test_enums_array_scalars_and_records_in_attributes(data, tmp_path):
+    """An enum dataset comes back an enum; a scalar of an HDF5 array datatype (its array is what is copied)
+    no longer refuses the file; a record attribute is reported as not kept, not turned into a float array."""
+    src, store, out = tmp_path / "types.h5", tmp_path / "s.zarr", tmp_path / "back.h5"
+    with h5py.File(src, "w") as f:
+        f.create_dataset("images", data=data.images[:16])
+        f.create_dataset("split", data=np.arange(16) % 2, dtype=h5py.enum_dtype({"train": 0, "test": 1}, "u1"))
+        f.create_dataset("origin", shape=(), dtype=np.dtype(("f4", (3,))))[()] = [1.0, 2.0, 3.0]
+        f.attrs["calibration"] = np.array((1, 2.5), dtype=[("id", "i4"), ("gain", "f8")])
+    report = json.loads(ok(run("compress", src, store, "--json")).stdout)
+    assert report["dropped_attributes"] == ["/@calibration"]
+    ok(run("decompress", store, out))
+    with h5py.File(out, "r") as f:
+        assert h5py.check_enum_dtype(f["split"].dtype) == {"train": 0, "test": 1}
+        assert f["split"][:].tolist() == (np.arange(16) % 2).tolist()
+        assert f["origin"][:].tolist() == [1.0, 2.0, 3.0] and "calibration" not in f.attrs
+
+
 # --------------------------------------------------------------------------------------------------------
 # further bugs found on the way
 # --------------------------------------------------------------------------------------------------------

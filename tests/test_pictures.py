@@ -175,8 +175,9 @@ def test_preview_errors(stores, tmp_path, capsys):
     fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--source", IMAGES, "--index", "1280"), 1,
           "--index 1280 is out of range", "1280 samples (indices 0..1279)")
     fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--source", FIELD), 1, "no array", "--source")
-    fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--array", "labels"), 1,
-          "no compressed array 'labels'")
+    for name in ("labels", "/labels"):  # HDF5's leading slash is the same name
+        fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--array", name), 1,
+              "no compressed array 'labels'")
     fails(cli(stores / "field.zarr", "--out", tmp_path / "a.jpg"), 1, ".png")
     fails(cli(stores / "field.zarr", "--out", tmp_path / "no" / "a.png"), 1, "does not exist")
     fails(cli(stores / "field.zarr"), 2, "--out")
@@ -350,6 +351,21 @@ def test_pareto_and_recommend():
     none = recommend({"input": "x.npy", "dtype": "float64", "settings": [], "skipped": skipped})
     assert none["command"] is None and none["reason"] == "no setting applies: values up to 1e+300 are too large"
     assert compress_command("x.npy", ["--keep", "4"], axes_text="1,2") == "dctchop compress x.npy x.zarr --axes 1,2 --keep 4"
+
+
+def test_a_sweep_of_a_named_dataset_recommends_compressing_that_one(tmp_path):
+    """Per-sample features beside images are copied losslessly unless named: the recommended line names them
+    (without it the line copied them and applied their settings to the images)."""
+    src = tmp_path / "tables.h5"
+    rng = np.random.default_rng(3)
+    with h5py.File(src, "w") as f:
+        f["images"] = rng.integers(0, 256, (40, 16, 16, 3), dtype=np.uint8)
+        f["features"] = np.cumsum(rng.standard_normal((40, 64)), axis=1).astype(np.float32)
+    rec = json.loads(ok(run("sweep", src, "--dataset", "features", "--target-psnr", "50", "--json")).stdout)
+    command = shlex.split(rec["recommendation"]["command"])
+    assert command[:5] == ["dctchop", "compress", str(src), "tables.zarr", "--dataset"] and command[5] == "features"
+    summary = json.loads(ok(run("compress", src, tmp_path / "out.zarr", *command[4:], "--json")).stdout)
+    assert list(summary["arrays"]) == ["features"] and summary["arrays"]["features"]["psnr"] >= 50
 
 
 def test_setting_options():

@@ -907,6 +907,53 @@ def test_disk_full_on_tmpfs(tmp_path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
+DISK_LOOKS_EMPTY = """
+import collections, shutil
+shutil.disk_usage = lambda path: collections.namedtuple("usage", "total used free")(1 << 40, 0, 1 << 40)
+"""
+
+
+def test_decompress_onto_a_full_or_read_only_disk(tmp_path, good_store):
+    """Refused before decoding when the output cannot fit. A .npy was written through a memory map of a sparse
+    file, which a full disk killed with SIGBUS (reached here by hiding how full the disk is), leaving its
+    temporary; a read-only directory gave an internal error."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for options in ("size=16k", "ro"):
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
+                                 capture_output=True, text=True, check=False)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+        try:
+            for name in ("out.npy", "out.h5"):
+                if options == "ro":
+                    user_error(run("decompress", good_store, mnt / name), "Read-only file system", name)
+                else:
+                    user_error(run("decompress", good_store, mnt / name), f"{name} needs about 0.08 MB", "free")
+                assert os.listdir(mnt) == []
+            if options != "ro":
+                p = run_main(["decompress", good_store, mnt / "out.npy"], DISK_LOOKS_EMPTY, tmp_path)
+                user_error(p, "decompress failed: No space left on device", "out.npy was not written")
+                assert os.listdir(mnt) == []
+        finally:
+            subprocess.run(["umount", str(mnt)], check=False)
+
+
+H5_WRITE_FAILS = """
+import h5py
+def write(self, *args):  # h5py's messages run over several lines
+    raise OSError(28, "Can't synchronously write data (file write failed: time = now\\n, errno = 28)")
+h5py.Dataset.__setitem__ = write
+"""
+
+
+def test_decompress_write_error_is_one_line(tmp_path, good_store):
+    out = tmp_path / "out.h5"
+    user_error(run_main(["decompress", good_store, out], H5_WRITE_FAILS, tmp_path),
+               "decompress failed: No space left on device", "out.h5 was not written")
+    assert_no_output(out)
+
+
 WRITE_FAILS = """
 import pathlib
 _write_bytes, _calls = pathlib.Path.write_bytes, [0]
@@ -930,7 +977,7 @@ def test_write_error_mid_way(tmp_path, inputs):
 INTERNAL_ERROR = """
 import dctchop.formats
 def read(self, *args, **kwargs):
-    raise RuntimeError("injected failure xyzzy")
+    raise RuntimeError("injected failure xyzzy\\nand a second line of detail")
 dctchop.formats.SourceArray.read = read
 """
 
