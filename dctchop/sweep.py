@@ -47,7 +47,6 @@ from dctchop.layout import infer_axes, parse_axes
 from dctchop.store import (
     DEFAULT_PSNR_FLOAT,
     DEFAULT_PSNR_INTEGER,
-    PSNR_TOLERANCE_DB,
     RATIO_TOLERANCE,
     CompressOptions,
     Target,
@@ -187,7 +186,7 @@ def measure(x: np.ndarray, setting: Setting, settings: ChunkSettings, peak: floa
         max_err = max(max_err, float(np.max(np.abs(d))))
     psnr = qz.psnr(sse / x.size, peak)
     stored_bytes = sum(len(b) for b in stored)
-    reachable = setting.psnr is None or psnr >= setting.psnr - PSNR_TOLERANCE_DB
+    reachable = setting.psnr is None or psnr >= setting.psnr
     return {
         "name": " ".join(setting.options), "family": setting.family, "options": setting.options,
         "block": setting.block, "precision": setting.precision, "keep": setting.keep,

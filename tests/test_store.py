@@ -1,6 +1,7 @@
 """Library-level tests of the store writer: chunk files, metadata, streaming, atomic publish."""
 
 import json
+import re
 import threading
 import time
 
@@ -212,6 +213,33 @@ def test_a_ratio_estimated_at_the_edge_of_reach_is_refused_before_writing(tmp_pa
         compress(open_source(str(tmp_path / "noise.npy")), tmp_path / "n.zarr",
                  CompressOptions(target=Target("ratio", 8.0)))
     assert not (tmp_path / "n.zarr").exists()
+
+
+def test_a_ratio_sample_holding_a_short_last_chunk_is_scaled_by_samples(tmp_path, monkeypatch):
+    """The sample of chunks always holds the last one; scaled as if it were full, its 1 sample (whose padding
+    costs next to nothing) made the estimate low by about 1/len(sample): --ratio 8 came out at 6 on 67 MB."""
+    monkeypatch.setattr(store, "RATIO_SAMPLE_BYTES", 4 * 40 * 32 * 32)  # 4 of the 13 chunks, as for 260 MB
+    rng = np.random.default_rng(19)
+    z, y, x = np.meshgrid(np.arange(12 * 40 + 1), np.linspace(0, 3, 32), np.linspace(0, 3, 32), indexing="ij")
+    images = 128 + 80 * np.sin(y * (1 + z % 7) + x) + rng.normal(0, 4, z.shape)
+    np.save(tmp_path / "x.npy", np.clip(images, 0, 255).astype(np.uint8))
+    summary = compress(open_source(str(tmp_path / "x.npy")), tmp_path / "x.zarr",
+                       CompressOptions(target=Target("ratio", 8.0), chunk_samples=40))
+    assert abs(summary["arrays"]["data"]["ratio"] / 8 - 1) <= 0.05
+
+
+def test_a_psnr_target_just_above_what_the_data_allows_is_refused(tmp_path, h5_images):
+    """No slack: a chunk 0.005 dB short of --psnr was accepted (a 0.01 dB tolerance) against the promise."""
+    def at(psnr: float):
+        options = CompressOptions(target=Target("psnr", psnr), precision="int8")
+        return compress(open_source(str(h5_images)), tmp_path / f"{psnr}.zarr", options)
+
+    with pytest.raises(DctchopError, match=r"chunk \d+ reaches (\d+\.\d\d) dB") as e:
+        at(90.0)  # int8's finest steps fall short: the message says how far they go, to 0.01 dB
+    reach = float(re.search(r"reaches (\d+\.\d\d) dB", str(e.value)).group(1))
+    with pytest.raises(DctchopError, match="is above what this data allows"):
+        at(reach + 0.005)  # the real reach is below it
+    assert at(reach - 0.005)["arrays"]["images"]["psnr_min"] >= reach - 0.005
 
 
 def test_the_ratio_is_checked_on_the_store_as_written(tmp_path, h5_images, monkeypatch):
