@@ -240,6 +240,18 @@ class Planes:
     seg_starts: np.ndarray
     itemsize: int
 
+    def unpack(self) -> np.ndarray:
+        """The int values, band-major."""
+        q = np.empty(int(self.seg_starts[-1]), dtype=f"i{self.itemsize}")
+        _unpack(self.data, self.seg_starts, self.masks, q)
+        return q
+
+    def largest_levels(self) -> np.ndarray:
+        """Per run, a bound on its values' magnitudes from its mask: zigzag values below 2^(p + 1), p the top
+        set plane, are at most 2^p in magnitude (0 for a run of zeros)."""
+        top = np.floor(np.log2(np.maximum(self.masks, 1).astype(np.float64)))
+        return np.where(self.masks > 0, np.exp2(top), 0.0)
+
     def dequantize_into(self, steps, first, seg_starts, seg_bands, out) -> None:
         """:func:`dctchop.quantize.dequantize_into` straight from the planes."""
         _unpack_dequantize(self.data, self.offsets, self.seg_starts, self.masks, self.itemsize, first, seg_starts,
@@ -268,7 +280,4 @@ def check_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> Pla
 
 def from_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> np.ndarray:
     """Inverse of :func:`to_planes`; CorruptChunkError when the size does not match the masks."""
-    planes = check_planes(data, seg_starts, dtype)
-    q = np.empty(int(seg_starts[-1]), dtype=dtype)
-    _unpack(planes.data, seg_starts, planes.masks, q)
-    return q
+    return check_planes(data, seg_starts, dtype).unpack()

@@ -44,7 +44,7 @@ from zarr.abc.codec import ArrayBytesCodec
 from zarr.core.common import parse_named_configuration
 
 from dctchop import quantize as qz
-from dctchop.bitplanes import check_planes, from_planes, to_planes
+from dctchop.bitplanes import Planes, check_planes, to_planes
 from dctchop.errors import CorruptChunkError, DctchopError
 from dctchop.transform import (
     MASKS,
@@ -252,8 +252,10 @@ def _serialize(c: Coefficients, settings: ChunkSettings, steps: np.ndarray, stor
     unit = settings.precision in ("float32", "bfloat16")
     if settings.precision in qz.INT_PRECISIONS:
         payload, flags = to_planes(stored, c.plan.order[1]), FLAG_BITPLANES
-    else:
+    elif _finite(stored, settings.precision):
         payload, flags = stored.tobytes(), 0
+    else:  # what the decoder refuses is never written (float64 data far below 1 in float16 steps)
+        raise DctchopError(f"coefficients overflow {settings.precision}; scale the data or use another precision")
     return _header(c.shape, c.dtype, settings, None if unit else steps, stored.size, flags, c.offset) + payload
 
 
@@ -738,6 +740,12 @@ def _checked(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> tuple[C
         steps = np.ones(len(plan.bands))
     elif steps is None or steps.size != len(plan.bands) or not np.all(np.isfinite(steps) & (steps > 0)):
         raise CorruptChunkError("chunk steps are missing, of the wrong count, or not positive and finite")
+    work = work_dtype(header.dtype)
+    largest = float(np.finfo(work).max)
+    if header.precision == "float16" and float(steps.max()) * float(np.finfo(np.float16).max) > largest:
+        raise CorruptChunkError("chunk steps are too large for its dtype")  # as for bit planes, see _checked_planes
+    if abs(header.offset) > MAX_COEFFICIENT[work] / math.sqrt(math.prod(plan.block)):
+        raise CorruptChunkError(f"offset {header.offset:g} is beyond what a {header.dtype} chunk holds")
     return header, plan, steps, memoryview(data).cast("B")[header.payload_offset :]
 
 
@@ -748,9 +756,17 @@ def _plain_values(header: ChunkHeader, payload: memoryview) -> np.ndarray:
         raise CorruptChunkError(f"chunk payload is {len(payload)} bytes, expected "
                                 f"{header.n_values * storage.itemsize}")
     stored = np.frombuffer(payload, dtype=storage)
-    if stored.dtype.kind == "f" and not np.all(np.isfinite(stored)):
+    if not _finite(stored, header.precision):
         raise CorruptChunkError("chunk holds non-finite coefficients")
     return stored
+
+
+def _finite(stored: np.ndarray, precision: str) -> bool:
+    """Whether stored values of ``precision`` are all finite (bfloat16 is stored as its bits: an exponent of
+    all ones is an infinity or a NaN)."""
+    if precision == "bfloat16":
+        return not np.any((stored & 0x7F80) == 0x7F80)
+    return stored.dtype.kind != "f" or bool(np.all(np.isfinite(stored)))
 
 
 def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> StoredChunk:
@@ -760,10 +776,21 @@ def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> Stor
     """
     header, plan, steps, payload = _checked(data, shape, dtype)
     if header.bitplanes:
-        stored = from_planes(payload, plan.order[1], qz.STORAGE_DTYPES[header.precision])
+        stored = _checked_planes(header, plan, steps, payload).unpack()
     else:
         stored = _plain_values(header, payload)
     return StoredChunk(plan, header.dtype, header.precision, stored, steps, header.offset)
+
+
+def _checked_planes(header: ChunkHeader, plan: TransformPlan, steps: np.ndarray, payload: memoryview) -> Planes:
+    """The bit planes of a chunk, refused when a run's levels could dequantize past the work dtype's range
+    (a step of 1e300 would decode to infinities). Written chunks stay far inside: their levels times steps
+    are at most about twice their largest coefficient, within a quarter of that range."""
+    planes = check_planes(payload, plan.order[1], qz.STORAGE_DTYPES[header.precision])
+    largest = planes.largest_levels() * steps[plan.order[2]]
+    if largest.size and float(largest.max()) > float(np.finfo(work_dtype(header.dtype)).max):
+        raise CorruptChunkError("chunk steps are too large for its dtype")
+    return planes
 
 
 class ChunkDecoder:
@@ -778,7 +805,7 @@ class ChunkDecoder:
         self.dtype, self.offset = header.dtype, header.offset
         self.nbytes = len(data)  # what keeping it holds
         if header.bitplanes:
-            planes = check_planes(payload, self.plan.order[1], qz.STORAGE_DTYPES[header.precision])
+            planes = _checked_planes(header, self.plan, steps, payload)
             self._fill = lambda *args: planes.dequantize_into(steps, *args)
         else:
             stored = _plain_values(header, payload)

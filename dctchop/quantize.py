@@ -233,8 +233,9 @@ def quantize(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, preci
         _quantize_int(values, seg_starts, seg_bands, steps, float(QMAX[precision]), offsets, out)
         return out
     scaled = np.empty(values.shape, dtype=np.float32)
-    for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
-        np.multiply(values[s:e], 1.0 / steps[b], out=scaled[s:e], casting="unsafe")
+    with np.errstate(over="ignore", invalid="ignore"):  # steps past float's range: the codec refuses the result
+        for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
+            np.multiply(values[s:e], 1.0 / steps[b], out=scaled[s:e], casting="unsafe")
     if precision == "float16":
         return scaled.astype(np.float16)
     if precision == "bfloat16":

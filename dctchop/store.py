@@ -70,6 +70,10 @@ DEFAULT_PSNR_FLOAT = 60.0
 RATIO_TOLERANCE = 0.05
 RATIO_MARGIN = 0.01  # a target the search estimates within this of the tolerance is refused up front
 RATIO_SAMPLE_BYTES = 64 << 20
+# The range float data must span: errors are squared in float64, whose normal numbers end near 1e-308, and
+# the finest PSNR target (400 dB) asks for squared errors 1e-40 of the squared range. float32 data always
+# spans more (its smallest step is 1.4e-45); float64 data at 1e-160 measured PSNR inf at 111 dB.
+SMALLEST_FLOAT_PEAK = 1e-130
 DASK_TASK_BYTES = 64 << 20
 META_FIELDS = {"psnr": "f8", "max_abs_error": "f8", "rmse": "f8", "stored_bytes": "i8", "step": "f8"}
 
@@ -241,6 +245,10 @@ def scan_float(plan: ArrayPlan, threads: int = 1) -> None:
         raise DctchopError(f"{plan.name}: {sum(n for n, _ in bad)} NaN or infinite values, "
                            f"first at index {list(bad[0][1])}")
     plan.peak = qz.float_peak(min(lo for lo, _, _, _ in found), max(hi for _, hi, _, _ in found))
+    if plan.peak < SMALLEST_FLOAT_PEAK:
+        raise DctchopError(f"{plan.name}: values span only {plan.peak:.3g}, too little for the error arithmetic "
+                           f"(squared errors would underflow float64; at least {SMALLEST_FLOAT_PEAK:g}): scale "
+                           "the data up")
     if plan.settings.target_psnr is not None:
         plan.settings = replace(plan.settings, peak=plan.peak)
 
@@ -546,6 +554,9 @@ def _read_and_encode(plan: ArrayPlan, i: int, start: int, stop: int) -> tuple[by
     x = plan.source.read(start, stop)
     chunk = _pad_to_chunk(x, plan.chunks, edge=0 in plan.axes)
     data, sse, max_err = encode_and_measure(chunk, plan.settings, valid_rows=stop - start)
+    if not (math.isfinite(sse) and math.isfinite(max_err)):  # a chunk that would not decode: never written
+        raise DctchopError(f"{plan.name}: chunk {i} does not survive the arithmetic of {plan.settings.precision} "
+                           f"(its decoded error is {max_err}); try --precision float32 or scale the data")
     psnr, rmse = _psnr_rmse(sse, x.size, plan.peak)
     target = plan.settings.target_psnr
     if target is not None and psnr < target:  # the promise: every chunk at least the target

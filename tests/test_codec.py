@@ -728,6 +728,41 @@ def test_every_truncation_raises_corrupt_chunk(chunks):
             decode_chunk(chunk + b"\0", shape, dtype)
 
 
+def test_chunks_that_would_decode_to_infinities_are_corrupt():
+    """Damage that still parses: a bfloat16 value with an infinity's or a NaN's bits, an offset beyond
+    float32, a step whose levels would dequantize past float32's range; each decoded to inf/NaN."""
+    x = (np.sin(np.linspace(0, 5, 2 * 16 * 16)).reshape(2, 16, 16) + 1000).astype(np.float32)
+
+    def refused(chunk: bytes, at: int, packed: bytes, message: str) -> None:
+        damaged = bytearray(chunk)
+        damaged[at : at + len(packed)] = packed
+        with pytest.raises(CorruptChunkError, match=message):
+            decode_chunk(bytes(damaged), x.shape, x.dtype)
+
+    chop = encode_chunk(x, ChunkSettings((1, 2), (8, 8), (4, 4), "square", "bfloat16"))
+    for bits in (0x7F80, 0xFF80, 0x7FC0):
+        refused(chop, read_header(chop).payload_offset, struct.pack("<H", bits), "non-finite coefficients")
+    quantized = encode_chunk(x, ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int16", step=0.01))
+    header = read_header(quantized)
+    assert header.offset == 1000
+    refused(quantized, header.payload_offset - 8, struct.pack("<d", 1e300), "offset 1e\\+300 is beyond")
+    centred = encode_chunk(x - 1000, ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int16", step=0.01))
+    at = centred.find(struct.pack("<d", read_header(centred).steps[0]))
+    refused(centred, at, struct.pack("<d", 1e300), "steps are too large")
+    half = encode_chunk(x - 1000, ChunkSettings((1, 2), (8, 8), (4, 4), "square", "float16"))
+    at = half.find(struct.pack("<d", read_header(half).steps[0]))
+    refused(half, at, struct.pack("<d", 1e300), "steps are too large")
+
+
+def test_coefficients_that_overflow_their_precision_are_never_written():
+    """float64 data near 1e-290 in float16 steps: 1/step overflowed and a chunk of NaN was written, which
+    every reader then refused."""
+    z, y, x = np.meshgrid(np.linspace(0, 6, 16), np.linspace(0, 5, 29), np.linspace(0, 4, 23), indexing="ij")
+    field = (np.sin(z) * np.cos(y) + 0.3 * np.sin(3 * x)) * 1e-290
+    with pytest.raises(DctchopError, match="coefficients overflow float16"):
+        encode_chunk(field, ChunkSettings((0, 1, 2), (8, 8, 8), (4, 4, 4), "square", "float16"))
+
+
 def _patched(chunk: bytes, offset: int, value: int) -> bytes:
     b = bytearray(chunk)
     b[offset] = value

@@ -242,6 +242,22 @@ def test_a_psnr_target_just_above_what_the_data_allows_is_refused(tmp_path, h5_i
     assert at(reach - 0.005)["arrays"]["images"]["psnr_min"] >= reach - 0.005
 
 
+@pytest.mark.parametrize("target", [Target("psnr", 60.0), Target("ratio", 4.0), Target("keep", 4)])
+def test_float64_data_spanning_too_little_for_the_error_arithmetic_is_refused(tmp_path, target):
+    """Squared errors underflow below about 1e-154: data at 1e-160 reported PSNR inf while reaching 111 dB,
+    and in float16 steps at 1e-290 wrote chunks of NaN."""
+    field = np.sin(np.linspace(0, 9, 16 * 24 * 24)).reshape(16, 24, 24)
+    np.save(tmp_path / "tiny.npy", field * 1e-160)
+    with pytest.raises(DctchopError, match=r"values span only 2e-160, too little .* scale the data up"):
+        compress(open_source(str(tmp_path / "tiny.npy")), tmp_path / "t.zarr", CompressOptions(target=target))
+    assert not (tmp_path / "t.zarr").exists()
+    np.save(tmp_path / "small.npy", field * 1e-120)  # still far from the floor: as the data at 1
+    small = compress(open_source(str(tmp_path / "small.npy")), tmp_path / "s.zarr", CompressOptions())
+    np.save(tmp_path / "one.npy", field)
+    one = compress(open_source(str(tmp_path / "one.npy")), tmp_path / "o.zarr", CompressOptions())
+    assert small["arrays"]["data"]["psnr"] == pytest.approx(one["arrays"]["data"]["psnr"], abs=0.5)
+
+
 def test_the_ratio_is_checked_on_the_store_as_written(tmp_path, h5_images, monkeypatch):
     # the search works on a sample of chunks: data unlike the sample could miss the target, which is promised
     monkeypatch.setattr(store, "search_ratio_step", lambda plan, ratio, threads, overhead: 1.0)
