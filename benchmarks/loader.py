@@ -56,6 +56,7 @@ import numpy as np
 import dctchop
 from dctchop import quantize as qz
 from dctchop.formats import open_source
+from dctchop.jit import numba
 from dctchop.location import Location
 from dctchop.store import CompressOptions, compress
 from dctchop.transform import resolve_threads
@@ -95,6 +96,37 @@ def make_data(tmp: Path, n_images: int, n_fields: int) -> dict:
     out["images"]["variants"] = {"dctchop, axes 1,2": out.pop("images_hw")}
     out["fields"]["variants"] = {"dctchop, zstd level -1": out.pop("fields_fast")}
     return out
+
+
+# ---------------------------------------------------------------------------------------------- the machine
+
+
+@numba.njit(nogil=True)
+def _vector_work(a, rounds):  # pragma: no cover - compiled
+    for _ in range(rounds):
+        for i in range(a.size):
+            a[i] = a[i] * np.float32(0.9999) + np.float32(0.5)
+
+
+def vector_scaling(threads: int, seconds: float = 0.5) -> float:
+    """How much faster ``threads`` threads run a vectorised float32 loop (in L1, no memory traffic) than one:
+    ``threads`` on separate cores, less where logical CPUs share a core's vector units (hyperthreads). The
+    decoder's kernels are such loops, so this bounds what more threads can give the loader here."""
+    arrays = [np.ones(4096, np.float32) for _ in range(threads)]
+    _vector_work(arrays[0], 1)
+    t = time.perf_counter()
+    _vector_work(arrays[0], 1000)
+    rounds = max(1, int(1000 * seconds / (time.perf_counter() - t)))
+    one = math.inf
+    for _ in range(3):
+        t = time.perf_counter()
+        _vector_work(arrays[0], rounds)
+        one = min(one, time.perf_counter() - t)
+    with ThreadPoolExecutor(threads) as pool:
+        t = time.perf_counter()
+        list(pool.map(lambda a: _vector_work(a, rounds), arrays))
+        many = time.perf_counter() - t
+    return threads * one / many
 
 
 # ---------------------------------------------------------------------------------------------- baselines
@@ -334,8 +366,9 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    cpus = resolve_threads(None)
-    print(f"\n{platform.processor() or platform.machine()}, {cpus} cores, Python {platform.python_version()}, "
+    cpus, most = resolve_threads(None), max(args.threads)
+    scaling = f"; a vectorised loop on {most} threads runs {vector_scaling(most):.2f}x one" if most > 1 else ""
+    print(f"\n{platform.processor() or platform.machine()}, {cpus} cores{scaling}, Python {platform.python_version()}, "
           f"torch {getattr(torch, '__version__', 'absent')}, CUDA {'yes' if cuda else 'no (device rows unmeasured)'}")
     print(f"images: {args.images} x 32x32x3 uint8 -> float32 NCHW normalised; fields: {args.fields} x 32³ float32; "
           f"batch {args.batch_size}; best of {args.repeats} epochs, the paths timed in turns\n")
