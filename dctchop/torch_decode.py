@@ -294,8 +294,9 @@ class DeviceDecoder:
             target.copy_(y)
         if self._clip is not None:
             out.add_(0.5).floor_().clamp_(*self._clip)
-        elif self.dtype == np.float16:
-            out = out.to(torch.float16).to(self.work)
+        elif self.dtype == np.float16:  # clipped first, as on the host: ringing near the limit is not inf
+            limit = float(np.finfo(np.float16).max)
+            out = out.clamp_(-limit, limit).to(torch.float16).to(self.work)
         return out
 
     def decode(self, chunks: list[StagedChunk]) -> torch.Tensor:

@@ -41,6 +41,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default=None, help="e.g. cuda; default: the host (CPU)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps")
     args = parser.parse_args(argv)
+    if args.epochs < 1 or args.max_steps is not None and args.max_steps < 1:
+        parser.error("--epochs and --max-steps must be at least 1")
     torch.manual_seed(0)
 
     # Per-channel statistics from the first 512 decoded images (the dataset view decodes lazily).

@@ -856,6 +856,9 @@ def _chunks_to_check():
                                        ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int8", target_psnr=38.0))
     yield "axis0_bf16", encode_chunk(smooth((16, 10)).astype(np.float64),
                                      ChunkSettings((0,), (8,), (5,), "square", "bfloat16"))
+    edges = np.where(rng.random((4, 16, 16)) < 0.5, -65504.0, 65504.0).astype(np.float16)  # rings past the limit
+    yield "f16_at_the_limit", encode_chunk(edges, ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int16",
+                                                                target_psnr=60.0, peak=131008.0))
 
 
 def _assert_decodes_alike(got: np.ndarray, ref: np.ndarray) -> None:
@@ -865,7 +868,10 @@ def _assert_decodes_alike(got: np.ndarray, ref: np.ndarray) -> None:
         diff = np.abs(got.astype(np.int64) - ref.astype(np.int64))
         assert diff.max() <= 1 and np.count_nonzero(diff) <= max(1, ref.size // 100)
     else:
-        tol = 1e-5 * float(np.abs(ref.astype(np.float64)).max()) + (1e-3 if ref.dtype == np.float16 else 0)
+        largest = float(np.abs(ref.astype(np.float64)).max())
+        unit = 2.0 ** (math.floor(math.log2(largest)) - 10) if largest > 0 else 0.0  # float16's last place there
+        tol = 1e-5 * largest + (unit if ref.dtype == np.float16 else 0)
+        assert np.all(np.isfinite(got))
         np.testing.assert_allclose(got, ref.astype(got.dtype), rtol=0, atol=tol)
 
 
@@ -922,7 +928,7 @@ def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
         info = np.iinfo(ref.dtype)
         got = np.clip(np.floor(got + 0.5), info.min, info.max)
     elif ref.dtype == np.float16:
-        got = got.astype(np.float16)
+        got = np.clip(got, -65504.0, 65504.0).astype(np.float16)
     _assert_decodes_alike(got.astype(np.float32), ref)
 
 
@@ -1024,6 +1030,10 @@ def test_example_trains_a_few_steps(image_store, capsys):
     result = example["main"]([str(image_store), "--epochs", "1", "--max-steps", "3", "--batch-size", "16"])
     assert result["samples"] == 48 and np.isfinite(result["loss"])
     assert "epoch 0" in capsys.readouterr().out
+    for nothing in (["--epochs", "0"], ["--max-steps", "0"]):  # a usage error, not a ZeroDivisionError
+        with pytest.raises(SystemExit):
+            example["main"]([str(image_store), *nothing])
+        assert "--epochs and --max-steps must be at least 1" in capsys.readouterr().err
 
 
 @needs_torch
