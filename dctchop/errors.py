@@ -14,3 +14,8 @@ def first_line(exc: BaseException) -> str:
     torch messages can run over many lines)."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+def output_exists(output) -> DctchopError:
+    """The refusal of compress and decompress to replace ``output`` unasked."""
+    return DctchopError(f"output {output} exists; pass overwrite=True (--overwrite) to replace it")

@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from dctchop.errors import DctchopError, first_line
+from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.inspect import open_store, read_rows, require_intact
 from dctchop.location import Location
 from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges
@@ -49,7 +49,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     if output.is_dir():
         raise DctchopError(f"output {output} is a directory; name a .npy or .h5 file")
     if output.exists() and not overwrite:
-        raise DctchopError(f"output {output} exists; pass overwrite=True (--overwrite) to replace it")
+        raise output_exists(output)
     lossless = set(info.get("lossless", []))
     arrays = {n: LosslessCopy(group[n], info, n) if n in lossless else group[n] for n in names}
     _check_space(output, sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays.values()) + (64 << 10))

@@ -50,7 +50,7 @@ from dctchop.codec import (
     read_header,
     transform_chunk,
 )
-from dctchop.errors import CorruptChunkError, DctchopError
+from dctchop.errors import CorruptChunkError, DctchopError, output_exists
 from dctchop.formats import Source, SourceArray
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
 from dctchop.layout import colour_axis, infer_axes
@@ -386,7 +386,7 @@ def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
         if not output.is_url and not out.parent.is_dir():  # a file:// URL makes its parents, as object stores
             raise DctchopError(f"output directory {output.path.parent} does not exist")
     if output.exists() and not overwrite:
-        raise DctchopError(f"output {output} exists; pass overwrite=True (--overwrite) to replace it")
+        raise output_exists(output)
     if output.is_dir() and not is_dctchop_store(output):
         raise DctchopError(f"output {output} is a directory that is not a dctchop store; refusing to replace it")
 
