@@ -108,9 +108,9 @@ cli.add_command(sweep)
 @click.argument("output", type=click.Path())
 @click.option("--dataset", "datasets", multiple=True, metavar="PATH",
               help="HDF5 dataset to compress lossily (repeatable); others that would be are left out, the "
-                   "ones copied losslessly by default (1-D, per-sample tables, empty) are still copied. Default: "
-                   "every dataset with ndim >= 2 of a dtype the codec takes, but per-sample tables (N, F) beside "
-                   "N images.")
+                   "ones copied losslessly by default (1-D, per-sample tables, per-pixel integer maps, empty) are "
+                   "still copied. Default: every dataset with ndim >= 2 of a dtype the codec takes, but "
+                   "per-sample tables (N, F) beside N samples and per-pixel integer maps beside a colour stack.")
 @click.option("--lossless", multiple=True, metavar="PATH", help="HDF5 dataset to copy losslessly (repeatable).")
 @click.option("--follow-external", is_flag=True, help="Follow HDF5 external links and virtual datasets.")
 @click.option("--axes", metavar="A,B[,C]", callback=check_axes,
