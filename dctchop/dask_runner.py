@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import multiprocessing
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 from dctchop.errors import DctchopError
 
@@ -39,7 +42,10 @@ def run_tasks(fn: Callable, items: list[tuple], scheduler: str) -> Iterator:
 
 
 def _run_local(dask, fn, items, scheduler) -> Iterator:
-    """dask.compute in a background thread; each finished task's result is handed over through a queue."""
+    """dask.compute in a background thread, on a pool of our own; each finished task's result is handed over
+    through a queue. Stopped early (Ctrl-C, an error), the pool's processes are terminated and the thread
+    joined: left to Dask's own pool, the interpreter's exit waited forever on a worker whose shutdown
+    message its closed queue never delivered."""
     from dask.callbacks import Callback
 
     tasks = [dask.delayed(fn, pure=False)(*item) for item in items]
@@ -52,21 +58,44 @@ def _run_local(dask, fn, items, scheduler) -> Iterator:
             if key in keys:  # not dask's own bookkeeping tasks
                 finished.put((result,))
 
+    workers = os.cpu_count() or 1
+    if scheduler == "threads":
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="dctchop-dask")
+    else:  # spawn, as Dask's own: numba's threading layer dies after fork
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_ignore_interrupts)
+
     def compute():
         try:
-            with Collect(), dask.config.set(scheduler=scheduler):
-                dask.compute(*tasks)
+            with Collect():
+                dask.compute(*tasks, scheduler=scheduler, pool=pool)
         except BaseException as e:  # noqa: BLE001 - handed to the consuming thread and re-raised there
             finished.put(e)
         finished.put(done)
 
     thread = threading.Thread(target=compute, name="dctchop-dask", daemon=True)
     thread.start()
-    while (item := finished.get()) is not done:
-        if isinstance(item, BaseException):
-            raise item
-        yield item[0]
-    thread.join()
+    completed = False
+    try:
+        while (item := finished.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item[0]
+        completed = True
+    finally:
+        if not completed:
+            pool.shutdown(wait=False, cancel_futures=True)
+            processes = getattr(pool, "_processes", None) or {}  # a ProcessPoolExecutor's, by pid
+            for process in list(processes.values()):
+                process.terminate()
+        thread.join()
+        pool.shutdown(wait=True)
+
+
+def _ignore_interrupts() -> None:
+    """In a worker process: Ctrl-C reaches the whole process group, and the parent stops the workers itself
+    (a worker's own KeyboardInterrupt printed a traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_distributed(fn, items, address) -> Iterator:

@@ -788,6 +788,41 @@ def test_sigint_during_compress(tmp_path, big_npy):
     assert (out / "zarr.json").is_file() and siblings(out) == []
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the worker processes through /proc")
+def test_sigint_while_dask_worker_processes_run(tmp_path):
+    """The interpreter's exit waited forever on a worker of Dask's own process pool, whose shutdown message
+    its closed queue never delivered: every run interrupted while a task was in flight hung."""
+    out = tmp_path / "out.zarr"
+    proc = subprocess.Popen([str(DCTCHOP), "compress", Path(__file__).parents[1] / "sample_data/images.h5", out,
+                             "--scheduler", "processes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not _children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the workers started, the task sent to one
+    proc.send_signal(signal.SIGINT)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the workers too: they hold the pipes
+        proc.communicate()
+        pytest.fail("compress --scheduler processes hung after SIGINT")
+    one_line(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), 130, "dctchop: interrupted")
+    assert_no_output(out)
+
+
 def test_sigkill_during_compress_then_rerun(tmp_path, big_npy):
     out = tmp_path / "big.zarr"
     proc, tmp = start_and_wait_for_chunks(["compress", big_npy, out], out)
