@@ -438,6 +438,7 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
     problems = []
     group = root.open_group("r")
     keys = {}  # array path -> data chunk index -> the file holding its data or metadata element
+    sizes = {}  # metadata array path -> the size of an element's file (None: several elements, compressed)
     for field_name, path in [(None, name), *((k, f"{META_GROUP}/{name}/{k}") for k in META_FIELDS)]:
         keys[path] = functools.partial(_chunk_key, path, ndim=len(shape))
         try:
@@ -445,6 +446,8 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
             # a metadata array's element i is data chunk i's; the data array's grid position i is chunk i
             per_file = 1 if field_name is None else array.chunks[0]
             keys[path] = functools.partial(chunk_file, path, array, per_file)
+            if field_name is not None and per_file == 1 and not array.compressors:  # as stores write them now
+                sizes[path] = np.dtype(META_FIELDS[field_name]).itemsize
         except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
             what = "array metadata" if field_name is None else f"metadata array {field_name}"
             problems.append({"chunk": None, "problem": f"{what} cannot be opened ({type(e).__name__}: {e})"})
@@ -452,6 +455,11 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
         if field_name is None and (list(array.shape), list(array.chunks)) != (list(shape), list(chunks)):
             problems.append({"chunk": None, "problem": f"array metadata says shape {list(array.shape)} in chunks "
                              f"{list(array.chunks)}, the store's record {list(shape)} in {list(chunks)}"})
+        grid = [-(-s // c) for s, c in zip(shape, chunks)]
+        want = np.dtype(META_FIELDS[field_name]) if field_name is not None else None
+        if want is not None and (list(array.shape), np.dtype(array.dtype)) != (grid, want):
+            problems.append({"chunk": None, "problem": f"metadata array {field_name} is {np.dtype(array.dtype)}"
+                             f"{list(array.shape)}, not {want}{grid}"})
     n_chunks = -(-shape[0] // chunks[0])
     for i in range(n_chunks):
         try:
@@ -462,10 +470,21 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
             problems.append({"chunk": i, "problem": f"unreadable ({e.strerror or e})"})
         except CorruptChunkError as e:
             problems.append({"chunk": i, "problem": str(e)})
-        missing = [k for k in META_FIELDS if not root.is_file(keys[f"{META_GROUP}/{name}/{k}"](i))]
+        missing = [k for k in META_FIELDS if not _element_whole(root, keys[f"{META_GROUP}/{name}/{k}"](i),
+                                                                   sizes.get(f"{META_GROUP}/{name}/{k}"))]
         if missing:
-            problems.append({"chunk": i, "problem": f"per-chunk metadata missing: {', '.join(missing)}"})
+            problems.append({"chunk": i, "problem": f"per-chunk metadata missing or damaged: {', '.join(missing)}"})
     return problems
+
+
+def _element_whole(root: Location, key: str, size: int | None) -> bool:
+    """Whether a metadata element's file is there, of ``size`` bytes when that is known."""
+    if size is None:
+        return root.is_file(key)
+    try:
+        return len(root.read(key)) == size
+    except OSError:  # missing, a directory, unreadable
+        return False
 
 
 def lossless_problems(root: Location, info: dict, name: str) -> list[dict]:

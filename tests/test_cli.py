@@ -867,6 +867,28 @@ def test_inspect_verify_fails_against_modified_source(data, base, tmp_path):
     assert "verify extra/aux: 4 chunk(s) checked, ok" in p.stdout
 
 
+def test_inspect_verify_finds_one_value_changed_by_one(data, base, tmp_path):
+    """A relative tolerance of 1e-6 on PSNR let a uint8 pixel changed by 1 through (it moves PSNR by 2e-8)."""
+    modified = tmp_path / "images.h5"
+    shutil.copy(data.h5, modified)
+    with h5py.File(modified, "r+") as f:
+        f["images"][0, 0, 0, 0] = f["images"][0, 0, 0, 0] ^ 1
+    p = run("inspect", base.store, "--verify", modified)
+    user_error(p, "verification failed")
+    assert "verify images: 4 chunk(s) checked, 1 mismatching chunk(s)" in p.stdout
+
+
+def test_inspect_verify_detects_a_lossless_array_of_another_dtype(data, base, tmp_path):
+    modified = tmp_path / "images.h5"
+    shutil.copy(data.h5, modified)
+    with h5py.File(modified, "r+") as f:
+        labels = f["labels"][...]
+        del f["labels"]
+        f["labels"] = labels.astype(np.int32 if labels.dtype != np.int32 else np.int64)  # the same values
+    p = run("inspect", base.store, "--verify", modified)
+    assert p.returncode == 1, p.stdout + p.stderr
+
+
 def test_inspect_verify_detects_changed_lossless_array(data, base, tmp_path):
     modified = tmp_path / "images.h5"
     shutil.copy(data.h5, modified)

@@ -571,6 +571,11 @@ STORE_DAMAGE = {
     "array zarr.json not JSON": ("data",),
     "metadata array deleted": ("psnr",),
     "metadata chunk deleted": ("psnr",),
+    "metadata chunk of 2 bytes": ("chunk 3", "per-chunk metadata missing or damaged: psnr"),
+    "metadata chunk empty": ("chunk 3", "per-chunk metadata missing or damaged: psnr"),
+    "metadata array of another shape": ("metadata array psnr is float64[3, 1, 1], not float64[8, 1, 1]",),
+    "array and its metadata deleted": ("array data", "cannot be opened"),
+    "store record without a field": ("its dctchop attributes have a bad peak of array data",),
 }
 
 
@@ -586,10 +591,24 @@ def test_damaged_store_structure(tmp_path, good_store, damage):
         (store / "data" / "zarr.json").write_text("garbage")
     elif damage == "metadata array deleted":
         shutil.rmtree(store / "dctchop_meta" / "data" / "psnr")
-    else:
+    elif damage == "metadata chunk deleted":
         (store / "dctchop_meta" / "data" / "psnr" / "c.3.0.0").unlink()
+    elif damage.startswith("metadata chunk"):  # inspect failed on these as an internal error
+        (store / "dctchop_meta" / "data" / "psnr" / "c.3.0.0").write_bytes(b"xx" if "2 bytes" in damage else b"")
+    elif damage == "metadata array of another shape":
+        meta = store / "dctchop_meta" / "data" / "psnr" / "zarr.json"
+        meta.write_text(meta.read_text().replace('"shape": [\n    8,', '"shape": [\n    3,'))
+        assert '"shape": [\n    3,' in meta.read_text()
+    elif damage == "array and its metadata deleted":
+        shutil.rmtree(store / "data")
+        shutil.rmtree(store / "dctchop_meta" / "data")
+    else:
+        record = json.loads((store / "zarr.json").read_text())
+        del record["attributes"]["dctchop"]["arrays"]["data"]["peak"]
+        (store / "zarr.json").write_text(json.dumps(record))
     words = STORE_DAMAGE[damage]
     user_error(run("inspect", store), *words)
+    user_error(run("inspect", store, "--verify", good_store.parent / "images.npy"), *words)
     if not damage.startswith("metadata"):  # decompress needs no per-chunk metadata
         out = tmp_path / "restored.npy"
         user_error(run("decompress", store, out), *words)
