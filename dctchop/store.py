@@ -326,21 +326,22 @@ def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...], edge: bool = False) ->
 
 
 def _temporary_sibling(output: Location, kind: str = "tmp") -> Location:
-    """The new store being written (``tmp``) or the old one an --overwrite moves aside (``old``). Local: named
-    by this process's id, so a later run can tell a killed run's leftovers from a live one's. URL: a random
-    name (writers on other hosts share the namespace, and nobody can tell whether they live)."""
-    tag = str(os.getpid()) if not output.is_url else uuid.uuid4().hex[:12]
+    """The new store being written (``tmp``) or the old one an --overwrite moves aside (``old``). Local (a path
+    or a ``file://`` URL): named by this process's id, so a later run can tell a killed run's leftovers from a
+    live one's. Remote: a random name (writers on other hosts share the namespace, and nobody can tell whether
+    they live)."""
+    tag = str(os.getpid()) if output.local_path is not None else uuid.uuid4().hex[:12]
     return output.sibling(f".{output.name}.dctchop-{kind}-{tag}")
 
 
 def remove_stale_temporaries(output: Location) -> None:
     """Clean up after a killed run (SIGKILL, power loss): remove the temporaries whose process no longer
     exists, and put back an old store that an --overwrite moved aside but never replaced. A live process's
-    files are never touched. Local outputs only: a killed run's temporary at a URL stays (its name says what
-    it is) because a process on another host cannot be checked."""
-    if output.is_url:
+    files are never touched. Local outputs only: a killed run's temporary at a remote URL stays (its name says
+    what it is) because a process on another host cannot be checked."""
+    path = output.local_path
+    if path is None:
         return
-    path = output.path
     for tmp in path.parent.glob(f".{path.name}.dctchop-*-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):

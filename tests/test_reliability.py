@@ -842,14 +842,18 @@ def test_sigint_while_dask_worker_processes_run(tmp_path):
     assert_no_output(out)
 
 
-def test_sigkill_during_compress_then_rerun(tmp_path, big_npy):
+@pytest.mark.parametrize("as_url", [False, True], ids=["path", "file-url"])
+def test_sigkill_during_compress_then_rerun(tmp_path, big_npy, as_url):
+    """A file:// URL names local files too: its killed run's temporary is the rerun's to remove (it was named
+    at random, as for a remote store, and left for good)."""
     out = tmp_path / "big.zarr"
-    proc, tmp = start_and_wait_for_chunks(["compress", big_npy, out], out)
+    target = f"file://{out}" if as_url else out
+    proc, tmp = start_and_wait_for_chunks(["compress", big_npy, target], out)
     proc.send_signal(signal.SIGKILL)
     assert finish(proc).returncode == -signal.SIGKILL
     assert not os.path.lexists(out)
     assert tmp.exists()  # a killed process cannot clean up: the stray temporary is there
-    ok(run("compress", big_npy, out, "--quiet"))
+    ok(run("compress", big_npy, target, "--quiet"))
     assert (out / "zarr.json").is_file()
     assert not tmp.exists() and siblings(out) == [], "the stale temporary of a dead process was not removed"
 
