@@ -315,7 +315,8 @@ class ArrayView:
             raise TypeError(f"chunk index must be an int, got {index!r}")
         if not -self.n_chunks <= index < self.n_chunks:
             raise IndexError(f"chunk {index} is out of range for {self.n_chunks} chunks of array {self.name}")
-        entry = self._entry(int(index) % self.n_chunks)
+        index = int(index) % self.n_chunks  # the cache's key for it
+        entry = self._entry(index)
         with entry.lock:
             self._decode_missing(index, entry, np.arange(entry.done.size))
             entry.shared = True

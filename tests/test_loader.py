@@ -145,6 +145,8 @@ def test_view_indexing_is_numpys(image_store, decoded, key):
 def test_chunks_by_index_are_checked_like_samples(image_store, decoded):
     images = dctchop.open(image_store)["images"]
     np.testing.assert_array_equal(images.chunk(-1), decoded[(images.n_chunks - 1) * images.chunk_len:])
+    kept = list(images._cache.values())  # counted under the chunk's own index, not -1
+    assert list(images._cache) == [images.n_chunks - 1] and images._bytes == kept[0].nbytes
     for index in (images.n_chunks, -images.n_chunks - 1):
         with pytest.raises(IndexError, match=f"chunk {index} is out of range for {images.n_chunks} chunks"):
             images.chunk(index)
