@@ -740,11 +740,9 @@ def _checked(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> tuple[C
         steps = np.ones(len(plan.bands))
     elif steps is None or steps.size != len(plan.bands) or not np.all(np.isfinite(steps) & (steps > 0)):
         raise CorruptChunkError("chunk steps are missing, of the wrong count, or not positive and finite")
-    work = work_dtype(header.dtype)
-    largest = float(np.finfo(work).max)
-    if header.precision == "float16" and float(steps.max()) * float(np.finfo(np.float16).max) > largest:
-        raise CorruptChunkError("chunk steps are too large for its dtype")  # as for bit planes, see _checked_planes
-    if abs(header.offset) > MAX_COEFFICIENT[work] / math.sqrt(math.prod(plan.block)):
+    if header.precision == "float16":  # stored values up to float16's largest (bit planes: _checked_planes)
+        _refuse_overflow(steps * float(np.finfo(np.float16).max), header.dtype)
+    if abs(header.offset) > MAX_COEFFICIENT[work_dtype(header.dtype)] / math.sqrt(math.prod(plan.block)):
         raise CorruptChunkError(f"offset {header.offset:g} is beyond what a {header.dtype} chunk holds")
     return header, plan, steps, memoryview(data).cast("B")[header.payload_offset :]
 
@@ -783,14 +781,19 @@ def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> Stor
 
 
 def _checked_planes(header: ChunkHeader, plan: TransformPlan, steps: np.ndarray, payload: memoryview) -> Planes:
-    """The bit planes of a chunk, refused when a run's levels could dequantize past the work dtype's range
-    (a step of 1e300 would decode to infinities). Written chunks stay far inside: their levels times steps
-    are at most about twice their largest coefficient, within a quarter of that range."""
+    """The bit planes of a chunk, refused when a run's levels could dequantize past the work dtype's range."""
     planes = check_planes(payload, plan.order[1], qz.STORAGE_DTYPES[header.precision])
-    largest = planes.largest_levels() * steps[plan.order[2]]
-    if largest.size and float(largest.max()) > float(np.finfo(work_dtype(header.dtype)).max):
-        raise CorruptChunkError("chunk steps are too large for its dtype")
+    _refuse_overflow(planes.largest_levels() * steps[plan.order[2]], header.dtype)
     return planes
+
+
+def _refuse_overflow(largest: np.ndarray, dtype) -> None:
+    """CorruptChunkError when a bound on the dequantized values (``largest``: levels times steps) passes the
+    range of ``dtype``'s work dtype: a step of 1e300 would decode to infinities. Written chunks stay far
+    inside: their levels times steps are at most about twice their largest coefficient, within a quarter
+    of that range."""
+    if largest.size and float(largest.max()) > float(np.finfo(work_dtype(dtype)).max):
+        raise CorruptChunkError("chunk steps are too large for its dtype")
 
 
 class ChunkDecoder:

@@ -75,19 +75,18 @@ def _run_local(dask, fn, items, scheduler) -> Iterator:
 
     thread = threading.Thread(target=compute, name="dctchop-dask", daemon=True)
     thread.start()
-    completed = False
     try:
         while (item := finished.get()) is not done:
             if isinstance(item, BaseException):
                 raise item
             yield item[0]
-        completed = True
+    except BaseException:  # an error, Ctrl-C, or the consumer closing this generator: stop the workers
+        pool.shutdown(wait=False, cancel_futures=True)
+        processes = getattr(pool, "_processes", None) or {}  # a ProcessPoolExecutor's, by pid
+        for process in list(processes.values()):
+            process.terminate()
+        raise
     finally:
-        if not completed:
-            pool.shutdown(wait=False, cancel_futures=True)
-            processes = getattr(pool, "_processes", None) or {}  # a ProcessPoolExecutor's, by pid
-            for process in list(processes.values()):
-                process.terminate()
         thread.join()
         pool.shutdown(wait=True)
 

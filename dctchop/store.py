@@ -440,6 +440,7 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
     group = root.open_group("r")
     keys = {}  # array path -> data chunk index -> the file holding its data or metadata element
     sizes = {}  # metadata array path -> the size of an element's file (None: several elements, compressed)
+    grid = [-(-s // c) for s, c in zip(shape, chunks)]  # the metadata arrays' shape
     for field_name, path in [(None, name), *((k, f"{META_GROUP}/{name}/{k}") for k in META_FIELDS)]:
         keys[path] = functools.partial(_chunk_key, path, ndim=len(shape))
         try:
@@ -456,7 +457,6 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
         if field_name is None and (list(array.shape), list(array.chunks)) != (list(shape), list(chunks)):
             problems.append({"chunk": None, "problem": f"array metadata says shape {list(array.shape)} in chunks "
                              f"{list(array.chunks)}, the store's record {list(shape)} in {list(chunks)}"})
-        grid = [-(-s // c) for s, c in zip(shape, chunks)]
         want = np.dtype(META_FIELDS[field_name]) if field_name is not None else None
         if want is not None and (list(array.shape), np.dtype(array.dtype)) != (grid, want):
             problems.append({"chunk": None, "problem": f"metadata array {field_name} is {np.dtype(array.dtype)}"
