@@ -352,14 +352,29 @@ def remove_stale_temporaries(output: Location) -> None:
             Location(tmp).remove()
 
 
-def _discard_temporary(tmp: Location) -> None:
-    """Remove the temporary store. Zarr writes metadata from its own event-loop thread, which may finish a
-    pending write just after an interrupt reached this thread, so look again a few times."""
+def _missing_parents(output: Location) -> list[Path]:
+    """The local directories that writing ``output`` will make, deepest first: a ``file://`` URL makes its
+    parents, as object stores do (a plain path's parent must exist), and a failed run removes them again."""
+    path = output.local_path
+    if path is None or not output.is_url:
+        return []
+    return [p for p in path.resolve().parents if not p.exists()]
+
+
+def _discard_temporary(tmp: Location, made_parents: list[Path]) -> None:
+    """Remove the temporary store, then the directories made for it that stayed empty. Zarr writes metadata
+    from its own event-loop thread, which may finish a pending write just after an interrupt reached this
+    thread, so look again a few times."""
     for _ in range(5):
         tmp.remove()
         time.sleep(0.05)
         if not tmp.exists():
-            return
+            break
+    for parent in made_parents:
+        try:
+            parent.rmdir()
+        except OSError:  # something else was put there meanwhile
+            break
 
 
 def _process_alive(pid: int) -> bool:
@@ -767,6 +782,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     align_chunks(plans)
     workers = resolve_threads(options.workers)
     remove_stale_temporaries(output)
+    made_parents = _missing_parents(output)
     tmp = _temporary_sibling(output)
     tmp.remove()
     started = time.perf_counter()
@@ -802,11 +818,11 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
         else:
             tmp.rename(output)
     except OSError as e:
-        _discard_temporary(tmp)
+        _discard_temporary(tmp, made_parents)
         where = f" ({e.filename})" if e.filename else ""
         raise DctchopError(f"compress failed: {e.strerror or e}{where}; {output} was not written") from None
     except BaseException:
-        _discard_temporary(tmp)
+        _discard_temporary(tmp, made_parents)
         raise
     return summary
 

@@ -120,6 +120,14 @@ def test_cli_compress_inspect_decompress_at_a_file_url(tmp_path, source_h5):
         assert f["images"].shape == g["images"].shape
 
 
+def test_a_failed_compress_to_a_file_url_removes_the_directories_it_made(tmp_path, source_h5):
+    (tmp_path / "kept").mkdir()
+    p = run("compress", source_h5, f"file://{tmp_path}/kept/new/deeper/out.zarr", "--psnr", "200",
+            "--precision", "int8", "--quiet")  # fails after chunks were written
+    assert p.returncode == 1 and "ask for less" in p.stderr, p.stderr
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["in.h5", "kept"] and not any((tmp_path / "kept").iterdir())
+
+
 def test_cli_url_errors_are_one_line(tmp_path, source_h5):
     p = run("inspect", f"file://{tmp_path}/absent.zarr")
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0 and "does not exist" in p.stderr
