@@ -53,6 +53,9 @@ def resolve_device(device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
+        if isinstance(device, int) and not isinstance(device, bool) and isinstance(e, RuntimeError):
+            raise DctchopError(f"device {device!r} does not exist: an integer names an accelerator (as cuda:N), "
+                               f"and this torch sees none (torch {torch.__version__})") from None
         raise DctchopError(f"device {device!r} is not a torch device ({first_line(e)})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():

@@ -792,6 +792,12 @@ def test_a_device_that_does_not_exist(image_store, device, message):
     assert "\n" not in str(info.value) and len(str(info.value)) < 300  # torch's own runs to thousands
 
 
+@pytest.mark.skipif(torch is None or torch.accelerator.is_available(), reason="needs torch without an accelerator")
+def test_an_integer_device_without_an_accelerator(image_store):
+    with pytest.raises(DctchopError, match="^device 0 does not exist: an integer names an accelerator .as cuda:N."):
+        dctchop.Loader(image_store, batch_size=4, device=0)
+
+
 def test_dtype_and_threads_as_numpy_and_the_rest_of_the_library_take_them(image_store):
     loader = dctchop.Loader(image_store, batch_size=4, dtype=np.float16, threads=0)
     assert next(iter(loader))[0].dtype == np.float16 and loader.threads >= 1
