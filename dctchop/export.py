@@ -14,7 +14,7 @@ import numpy as np
 
 from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.inspect import open_store, read_rows, require_intact
-from dctchop.location import Location
+from dctchop.location import Location, store_holding
 from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges
 
 
@@ -34,6 +34,8 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     """
     group, info = open_store(store)
     require_intact(store, info)
+    if os.fspath(output).endswith(("/", os.sep)):
+        raise DctchopError(f"output {output} names a directory; name a .npy or .h5 file")
     output = Path(output)
     names = list(info["arrays"]) + list(info.get("lossless", []))
     suffix = output.suffix.lower()
@@ -46,6 +48,9 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     local = Location(store).local_path  # a file:// URL names the same files as its path
     if local is not None and local.resolve() in (output.resolve(), *output.resolve().parents):
         raise DctchopError(f"output {output} must not be the store {store} or inside it")
+    holder = store_holding(output)
+    if holder is not None:
+        raise DctchopError(f"output {output} must not be inside the Zarr store {holder}")
     if output.is_dir():
         raise DctchopError(f"output {output} is a directory; name a .npy or .h5 file")
     if output.exists() and not overwrite:

@@ -23,6 +23,12 @@ def is_url(target: str | os.PathLike) -> bool:
     return "://" in os.fspath(target)
 
 
+def store_holding(path: Path) -> Path | None:
+    """The Zarr store (a directory with a zarr.json) that ``path`` would be written inside, or None. A file
+    put there would become part of that store: its groups, its sizes, what --overwrite replaces."""
+    return next((p for p in Path(path).resolve().parents if (p / "zarr.json").is_file()), None)
+
+
 class Location:
     """A store's root. Keys are ``/``-separated paths below it (``images/c.0.0.0``).
 

@@ -15,7 +15,8 @@ What a "sample" and its picture are follows the array's layout (:mod:`dctchop.la
   first transformed axis when there are three, and at channel 0 of a channel axis.
 
 The original comes from the input the store records (``attrs["dctchop"]["source"]["path"]``) or from
-``source``; the decoded data from plain ``zarr``. Both are read one stored chunk at a time.
+``source``; the decoded data through :func:`dctchop.open`, which refuses missing or damaged chunks. Both are
+read one stored chunk at a time.
 
 The PNG has a fixed size: :data:`WIDTH_PX` wide, :data:`HEADER_PX` + :data:`ROW_PX` per sample high
 (:data:`DPI` dots per inch, a power of two, so the pixel size is exact).
@@ -34,6 +35,7 @@ import numpy as np
 
 from dctchop import quantize as qz
 from dctchop.errors import DctchopError
+from dctchop.location import store_holding
 
 DPI = 128
 WIDTH_PX = 1024
@@ -59,7 +61,9 @@ def require_matplotlib(what: str = "dctchop preview"):
 
 
 def check_png_path(out: str | os.PathLike) -> Path:
-    """The output picture path: a ``.png`` name in an existing directory."""
+    """The output picture path: a ``.png`` name in an existing directory, outside any Zarr store."""
+    if os.fspath(out).endswith(("/", os.sep)):
+        raise DctchopError(f"{out} names a directory; name the picture's file")
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise DctchopError(f"{out}: the picture is written as PNG; give a name ending in .png")
@@ -67,6 +71,9 @@ def check_png_path(out: str | os.PathLike) -> Path:
         raise DctchopError(f"{out} is a directory")
     if not out.parent.resolve().is_dir():
         raise DctchopError(f"output directory {out.parent} does not exist")
+    holder = store_holding(out)
+    if holder is not None:
+        raise DctchopError(f"{out} must not be inside the Zarr store {holder}")
     return out
 
 
@@ -201,7 +208,7 @@ def _read_rows(src, arr, entry: dict, view: View, indices: list[int]) -> list[Ro
             wanted = sorted({i for i in indices if s <= i < e})
             if not wanted:
                 continue
-            y = np.asarray(arr[s:e])  # zarr decodes the whole chunk anyway
+            y = arr[s:e]  # the whole chunk is decoded anyway
             for i in wanted:
                 xs, ys = src.read(i, i + 1)[0], y[i - s]
                 d = np.abs(ys.astype(np.float64) - xs.astype(np.float64))
@@ -211,7 +218,7 @@ def _read_rows(src, arr, entry: dict, view: View, indices: list[int]) -> list[Ro
     # the whole array is one sample: accumulate its error over all chunks, assemble the picture's pieces
     sse, max_err, xs, ys = 0.0, 0.0, [], []
     for s, e in ranges:
-        x, y = src.read(s, e), np.asarray(arr[s:e])
+        x, y = src.read(s, e), arr[s:e]
         d = y.astype(np.float64) - x.astype(np.float64)
         sse += float(np.sum(d * d))
         max_err = max(max_err, float(np.max(np.abs(d))))
@@ -359,9 +366,7 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
     samples to show (default :data:`DEFAULT_SAMPLES` spread over the array). ``array``: which array of the
     store (default: its main one, :func:`dctchop.dataset.main_array`). Returns what was drawn: array, layout, kind, size and per-sample PSNR.
     """
-    import zarr
-
-    from dctchop.dataset import main_array
+    from dctchop.dataset import Dataset, main_array
     from dctchop.inspect import open_store
 
     out = check_png_path(out)
@@ -381,10 +386,7 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
     src = open_original(source_path, entry, recorded, (info.get("source") or {}).get("follow_external", False))
     view = make_view(entry["shape"], entry["axes"], entry["layout"])
     chosen = check_indices(indices, view.n_samples(entry["shape"]), name)
-    try:
-        arr = zarr.open_group(str(store), mode="r")[name]
-    except Exception as e:  # noqa: BLE001 - zarr raises several types for a damaged array
-        raise DctchopError(f"{store}: cannot open array {name} ({type(e).__name__}: {e})") from None
+    arr = Dataset(store, threads=1).array(name)  # decodes as readers do: a missing or damaged chunk is an error
     rows = _read_rows(src, arr, entry, view, chosen)
     header = _header(Path(store).name, name, entry, view, source_path)
     width, height = draw(rows, view, np.dtype(entry["dtype"]), header, out)

@@ -54,7 +54,7 @@ from dctchop.errors import CorruptChunkError, DctchopError, output_exists
 from dctchop.formats import Source, SourceArray
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
 from dctchop.layout import colour_axis, infer_axes
-from dctchop.location import Location
+from dctchop.location import Location, store_holding
 from dctchop.transform import check_blocks, make_plan, per_axis, resolve_threads
 
 # 3: every chunk of the lossless copies is written, even one of fill values, so a missing one is damage;
@@ -396,8 +396,8 @@ def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
         src = Path(source_path).resolve()
         if out == src or src in out.parents or out in src.parents:
             raise DctchopError(f"output {output} must not be the input, inside it, or contain it")
-        holder = next((p for p in out.parents if (p / "zarr.json").is_file()), None)
-        if holder is not None:  # it would become part of that store (its groups, its totals, its --overwrite)
+        holder = store_holding(out)
+        if holder is not None:
             raise DctchopError(f"output {output} must not be inside the Zarr store {holder}")
         if not output.is_url and not out.parent.is_dir():  # a file:// URL makes its parents, as object stores
             raise DctchopError(f"output directory {output.path.parent} does not exist")

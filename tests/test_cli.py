@@ -941,7 +941,12 @@ def test_decompress_into_the_store_is_refused(psnr45, tmp_path):
     shutil.copytree(psnr45.store, named_h5)
     user_error(run("decompress", named_h5, named_h5, "--overwrite"), "must not be the store")
     user_error(run("decompress", store, named_h5, "--overwrite"), "is a directory")
-    assert snapshot(store) == before
+    other = tmp_path / "other.zarr"  # inside another store it would become part of that one
+    shutil.copytree(psnr45.store, other)
+    user_error(run("decompress", store, other / "x.npy"), f"must not be inside the Zarr store {other}")
+    user_error(run("decompress", store, f"{tmp_path}/new.npy/"), "names a directory")  # not a file new.npy
+    assert snapshot(store) == before and not (tmp_path / "new.npy").exists()
+    assert not (other / "x.npy").exists()
 
 
 def test_decompress_to_h5_restores_arrays_groups_attrs(data, base, tmp_path):

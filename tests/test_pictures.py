@@ -181,7 +181,23 @@ def test_preview_errors(stores, tmp_path, capsys):
     fails(cli(stores / "field.zarr", "--out", tmp_path / "a.jpg"), 1, ".png")
     fails(cli(stores / "field.zarr", "--out", tmp_path / "no" / "a.png"), 1, "does not exist")
     fails(cli(stores / "field.zarr"), 2, "--out")
+    fails(cli(stores / "field.zarr", "--out", stores / "field.zarr" / "a.png"), 1, "must not be inside the Zarr store")
+    fails(cli(stores / "field.zarr", "--out", f"{tmp_path}/b.png/"), 1, "names a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.zarr"]
+    assert not (stores / "field.zarr" / "a.png").exists()
+
+
+@needs_mpl
+@pytest.mark.parametrize("damage, message", [("delete", "chunk 1 is missing"), ("truncate", "chunk 1 (")])
+def test_preview_refuses_a_damaged_chunk(stores, tmp_path, damage, message):
+    """preview read through plain zarr: a deleted chunk came out as zeros (a 3.9 dB sample, exit 0), a truncated
+    one as an internal error."""
+    store = tmp_path / "images.zarr"
+    shutil.copytree(stores / "images.zarr", store)
+    chunk = store / "images" / "c.1.0.0.0"
+    chunk.unlink() if damage == "delete" else chunk.write_bytes(chunk.read_bytes()[:5])
+    fails(run("preview", store, "--out", tmp_path / "p.png", "--source", IMAGES, "--index", "400"), 1, message)
+    assert not (tmp_path / "p.png").exists()
 
 
 # --------------------------------------------------------------------------------------------------------
