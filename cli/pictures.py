@@ -44,6 +44,7 @@ def preview(store, out, source, indices, array):
 @click.command(context_settings=CONTEXT, epilog=PSNR_HELP)
 @click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
 @click.option("--dataset", metavar="PATH", help="HDF5 dataset to sweep (default: the first lossy one).")
+@click.option("--follow-external", is_flag=True, help="Follow HDF5 external links and virtual datasets.")
 @click.option("--axes", metavar="A,B[,C]", callback=check_axes,
               help="Axes to transform (default: inferred from the layout).")
 @click.option("--sample", type=int, metavar="N",
@@ -56,7 +57,7 @@ def preview(store, out, source, indices, array):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), metavar="PNG",
               help="Draw the rate-distortion curve into this PNG (1024x768 px; needs the plot extra).")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")
-def sweep(input_path, dataset, axes, sample, target_ratio, target_psnr, plot_path, as_json):
+def sweep(input_path, dataset, follow_external, axes, sample, target_ratio, target_psnr, plot_path, as_json):
     """Compress a sample of INPUT at a grid of settings; print ratio, PSNR and decode speed of each.
 
     \b
@@ -77,7 +78,7 @@ def sweep(input_path, dataset, axes, sample, target_ratio, target_psnr, plot_pat
 
         check_png_path(plot_path)
         require_matplotlib("dctchop sweep --plot")
-    result = run_sweep(input_path, dataset=dataset, sample=sample, axes=axes)
+    result = run_sweep(input_path, dataset=dataset, sample=sample, axes=axes, follow_external=follow_external)
     rec = recommend(result, target_ratio=target_ratio, target_psnr=target_psnr, axes_text=axes, dataset=dataset)
     result["recommendation"] = rec
     if plot_path is not None:

@@ -209,15 +209,16 @@ def pareto(points: list[dict]) -> None:
 
 def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int | None = None,
           axes: str | tuple[int, ...] | None = None, threads: int = 0,
-          grid: list[Setting] | None = None) -> dict:
+          grid: list[Setting] | None = None, follow_external: bool = False) -> dict:
     """Run the grid on a sample of one array of ``input_path`` (see the module docstring).
 
     ``axes``: the transformed axes (a tuple, or text like ``"1,2"``); default inferred from the layout.
+    ``follow_external``: follow HDF5 external links and virtual datasets, as ``compress --follow-external``.
     Returns a JSON-ready dict: the input, array, layout, sample, peak and one entry per setting (options,
     ratio, PSNR, max abs error, decode MB/s, encode seconds, reachable, pareto). Settings whose transform
     does not fit the array are listed under ``skipped``.
     """
-    source = open_source(input_path, datasets=[dataset] if dataset else ())
+    source = open_source(input_path, datasets=[dataset] if dataset else (), follow_external=follow_external)
     array = pick_array(source, dataset)
     if array.dtype not in DTYPE_CODES:
         raise DctchopError(f"{array.name}: unsupported dtype {array.dtype}; supported: "
@@ -244,7 +245,8 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
             skipped.append({"name": " ".join(setting.options), "reason": str(e)})
     pareto(results)
     return {
-        "input": str(input_path), "array": array.name, "arrays": [a.name for a in source.lossy],
+        "input": str(input_path), "follow_external": follow_external, "array": array.name,
+        "arrays": [a.name for a in source.lossy],
         "shape": list(array.shape), "dtype": str(array.dtype), "layout": layout,
         "axes": list(used_axes or axes),
         "sample": where, "peak": peak, "settings": results, "skipped": skipped,
@@ -294,14 +296,16 @@ def recommend(result: dict, target_ratio: float | None = None, target_psnr: floa
         return {**out, "index": None, "setting": None, "command": None, "reason": why}
     i, p = best
     return {**out, "index": i, "setting": p["name"], "ratio": p["ratio"], "psnr": p["psnr"],
-            "command": compress_command(result["input"], p["options"], output, axes_text, dataset)}
+            "command": compress_command(result["input"], p["options"], output, axes_text, dataset,
+                                        result["follow_external"])}
 
 
 def compress_command(input_path: str, options: list[str], output: str | None = None,
-                     axes_text: str | None = None, dataset: str | None = None) -> str:
+                     axes_text: str | None = None, dataset: str | None = None, follow_external: bool = False) -> str:
     """``dctchop compress INPUT OUTPUT OPTIONS``, shell-quoted; OUTPUT defaults to INPUT's stem + .zarr."""
     output = output or Path(input_path).stem + ".zarr"
-    extra = (["--dataset", dataset] if dataset else []) + (["--axes", axes_text] if axes_text else [])
+    extra = ((["--dataset", dataset] if dataset else []) + (["--axes", axes_text] if axes_text else [])
+             + (["--follow-external"] if follow_external else []))
     return shlex.join(["dctchop", "compress", str(input_path), output, *extra, *options])
 
 

@@ -355,7 +355,7 @@ def test_pareto_and_recommend():
            _point("--d 1", 9.0, 50.0, reachable=False), _point("--e 1", 2.0, 40.0), _point("--f 1", 5.8, 30.0)]
     pareto(pts)
     assert [p["pareto"] for p in pts] == [True, True, False, False, True, True]
-    result = {"input": "in put.h5", "dtype": "uint8", "settings": pts}
+    result = {"input": "in put.h5", "follow_external": False, "dtype": "uint8", "settings": pts}
     r = recommend(result, target_ratio=6)  # 5.8 is within 5% of 6
     assert (r["index"], r["command"]) == (5, "dctchop compress 'in put.h5' 'in put.zarr' --f 1")
     assert recommend(result, target_ratio=3.5)["index"] == 1
@@ -364,7 +364,8 @@ def test_pareto_and_recommend():
     none = recommend(result, target_psnr=45)
     assert none["command"] is None and "no setting reaches PSNR 45 dB" in none["reason"]
     skipped = [{"name": "--keep 4", "reason": "values up to 1e+300 are too large"}]
-    none = recommend({"input": "x.npy", "dtype": "float64", "settings": [], "skipped": skipped})
+    none = recommend({"input": "x.npy", "follow_external": False, "dtype": "float64", "settings": [],
+                      "skipped": skipped})
     assert none["command"] is None and none["reason"] == "no setting applies: values up to 1e+300 are too large"
     assert compress_command("x.npy", ["--keep", "4"], axes_text="1,2") == "dctchop compress x.npy x.zarr --axes 1,2 --keep 4"
 
@@ -382,6 +383,20 @@ def test_a_sweep_of_a_named_dataset_recommends_compressing_that_one(tmp_path):
     assert command[:5] == ["dctchop", "compress", str(src), "tables.zarr", "--dataset"] and command[5] == "features"
     summary = json.loads(ok(run("compress", src, tmp_path / "out.zarr", *command[4:], "--json")).stdout)
     assert list(summary["arrays"]) == ["features"] and summary["arrays"]["features"]["psnr"] >= 50
+
+
+def test_a_sweep_follows_external_links_when_asked_and_so_does_its_command(tmp_path):
+    rng = np.random.default_rng(4)
+    with h5py.File(tmp_path / "part.h5", "w") as f:
+        f["x"] = rng.integers(0, 256, (24, 16, 16), dtype=np.uint8)
+    with h5py.File(tmp_path / "main.h5", "w") as f:
+        f["images"] = h5py.ExternalLink("part.h5", "/x")
+    fails(run("sweep", tmp_path / "main.h5"), 1, "external link", "--follow-external")
+    rec = json.loads(ok(run("sweep", tmp_path / "main.h5", "--follow-external", "--json")).stdout)
+    command = shlex.split(rec["recommendation"]["command"])
+    assert "--follow-external" in command
+    summary = json.loads(ok(run("compress", tmp_path / "main.h5", tmp_path / "out.zarr", *command[4:], "--json")).stdout)
+    assert list(summary["arrays"]) == ["images"]
 
 
 def test_setting_options():
