@@ -15,7 +15,7 @@ import numpy as np
 from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.inspect import open_store, read_rows, require_intact
 from dctchop.location import Location, store_holding
-from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges
+from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges, temporary_file
 
 
 def _copy_rows(src, write, chunk_rows: int, where: str) -> None:
@@ -58,7 +58,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     lossless = set(info.get("lossless", []))
     arrays = {n: LosslessCopy(group[n], info, n) if n in lossless else group[n] for n in names}
     _check_space(output, sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays.values()) + (64 << 10))
-    tmp = output.with_name(f".{output.name}.dctchop-tmp-{os.getpid()}")
+    tmp = temporary_file(output)
     try:
         if suffix == ".npy":
             arr = arrays[names[0]]

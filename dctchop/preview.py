@@ -36,6 +36,7 @@ import numpy as np
 from dctchop import quantize as qz
 from dctchop.errors import DctchopError
 from dctchop.location import store_holding
+from dctchop.store import temporary_file
 
 DPI = 128
 WIDTH_PX = 1024
@@ -80,7 +81,7 @@ def check_png_path(out: str | os.PathLike) -> Path:
 def save_png(fig, canvas_class, out: Path) -> tuple[int, int]:
     """Write ``fig`` as PNG (to a temporary sibling, then renamed); return its (width, height) in pixels."""
     canvas = canvas_class(fig)
-    tmp = out.with_name(f".{out.name}.dctchop-tmp-{os.getpid()}")
+    tmp = temporary_file(out)
     try:
         fig.savefig(tmp, format="png", dpi=DPI, metadata={"Software": None})
         os.replace(tmp, out)

@@ -361,6 +361,13 @@ def _missing_parents(output: Location) -> list[Path]:
     return [p for p in path.resolve().parents if not p.exists()]
 
 
+def temporary_file(path: Path) -> Path:
+    """Where to write the file ``path`` before renaming it into place; first removes the temporaries of
+    killed runs, as :func:`compress` does for stores."""
+    remove_stale_temporaries(Location(path))
+    return _temporary_sibling(Location(path)).path
+
+
 def _discard_temporary(tmp: Location, made_parents: list[Path]) -> None:
     """Remove the temporary store, then the directories made for it that stayed empty. Zarr writes metadata
     from its own event-loop thread, which may finish a pending write just after an interrupt reached this

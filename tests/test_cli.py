@@ -931,6 +931,19 @@ def test_decompress_single_array_store_to_npy(psnr45, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["restored.npy"]
 
 
+def test_decompress_removes_the_temporaries_of_killed_runs(psnr45, tmp_path):
+    """A decompress killed with SIGKILL leaves its hidden temporary (as large as the output); the next run
+    removes it, as compress does for stores. A live process's is left alone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    killed = tmp_path / f".out.npy.dctchop-tmp-{dead.pid}"
+    live = tmp_path / f".out.npy.dctchop-tmp-{os.getpid()}"
+    killed.write_bytes(b"x" * 1000)
+    live.write_bytes(b"y")
+    ok(run("decompress", psnr45.store, tmp_path / "out.npy"))
+    assert sorted(os.listdir(tmp_path)) == [live.name, "out.npy"]
+
+
 def test_decompress_into_the_store_is_refused(psnr45, tmp_path):
     store = tmp_path / "s.zarr"
     shutil.copytree(psnr45.store, store)
