@@ -79,11 +79,11 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
                     ds = h5.create_dataset(name, shape=arr.shape, dtype=dtype)
                     ds.attrs.update({k: _h5_attr(v) for k, v in arr.attrs.items()})
                     _copy_rows(arr, ds.__setitem__, arr.chunks[0] if arr.shape else 1, f"{store}: array {name}")
-                for path, dtypes in info.get("attr_dtypes", {}).items():  # JSON widened them: int16 -> int64
+                for path, dtypes in info.get("attr_dtypes", {}).items():
                     attrs = h5[path].attrs
                     for key, dtype in dtypes.items():
                         if key in attrs:
-                            attrs[key] = np.asarray(attrs[key]).astype(dtype)
+                            _restore_dtype(attrs, key, dtype)
                 for link in info.get("links", []):  # targets are stored objects, so they exist by now
                     target = link["target"]
                     h5[link["path"]] = h5py.SoftLink(target) if link["kind"] == "soft" else h5[target]
@@ -124,13 +124,27 @@ def _copy_group(zgroup, hgroup) -> None:
 
 
 def _h5_attr(value):
-    """JSON attributes back to HDF5: dicts become JSON strings, lists of strings variable-length string
-    arrays, other lists numpy arrays (a list mixing types becomes a JSON string)."""
+    """JSON attributes back to HDF5: dicts become JSON strings, (nested) lists of strings variable-length
+    string arrays, other lists numpy arrays (a list mixing types, or ragged, becomes a JSON string)."""
     if isinstance(value, dict):
         return json.dumps(value)
     if isinstance(value, list):
-        if value and all(isinstance(v, str) for v in value):
-            return np.array(value, dtype=h5py.string_dtype())
-        array = np.asarray(value)
+        try:
+            if value and _strings_only(value):
+                return np.array(value, dtype=h5py.string_dtype())
+            array = np.asarray(value)
+        except ValueError:  # ragged
+            return json.dumps(value)
         return array if array.dtype.kind in "biuf" else json.dumps(value)
     return value
+
+
+def _strings_only(value: list) -> bool:
+    return all(_strings_only(v) if isinstance(v, list) else isinstance(v, str) for v in value)
+
+
+def _restore_dtype(attrs, key: str, dtype: str) -> None:
+    """Give an attribute back the dtype JSON lost: its width (int16 written as int64), or the dtype of an
+    empty array (``[]`` reads back as float64); ``"str"``: an array of strings."""
+    value = np.asarray(attrs[key])
+    attrs[key] = value.astype(h5py.string_dtype() if dtype == "str" else dtype)

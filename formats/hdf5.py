@@ -101,15 +101,19 @@ class _Attributes(NamedTuple):
 
 
 def _attributes(obj) -> _Attributes:
-    """``obj``'s attributes, each read from the file once."""
+    """``obj``'s attributes, each read from the file once. Besides the numeric dtypes JSON widens,
+    ``dtypes`` keeps the dtype of every empty array (``"str"`` for strings): JSON's ``[]`` has none."""
     items = list(_attr_items(obj))
     dropped: list[str] = []
     values = json_attrs(items, dropped)
     dtypes = {}
     for key, value in items:
-        dtype = getattr(value, "dtype", None)
-        if isinstance(key, str) and dtype is not None and dtype.kind in "iuf" and dtype not in (np.int64, np.float64):
-            dtypes[key] = native_dtype(dtype).str
+        if not isinstance(key, str) or key not in values or not isinstance(value, (np.ndarray, np.generic)):
+            continue
+        if value.dtype.kind in "OSU" and value.size == 0:
+            dtypes[key] = "str"
+        elif value.dtype.kind in "biuf" and (value.size == 0 or value.dtype not in (np.bool_, np.int64, np.float64)):
+            dtypes[key] = native_dtype(value.dtype).str
     return _Attributes(values, dtypes, dropped)
 
 
