@@ -217,8 +217,8 @@ def inspect(store, as_json, show_chunks, verify_source):
         _print_report(report, show_chunks)
     damaged = {k: a["damaged_chunks"] for k, a in (*report["arrays"].items(), *report["lossless"].items())
                if a["damaged_chunks"]}
-    if damaged:
-        raise DctchopError(f"damaged store: {describe_damage(store, damaged)}")
+    if damaged or report["damaged_groups"]:
+        raise DctchopError(f"damaged store: {describe_damage(store, damaged, report['damaged_groups'])}")
     if verify_source and any(v["mismatches"] for v in report["verify"].values()):
         bad = {k: len(v["mismatches"]) for k, v in report["verify"].items() if v["mismatches"]}
         raise DctchopError(f"verification failed: {bad} chunk(s) differ from the stored metadata")
@@ -255,6 +255,8 @@ def _print_report(report: dict, show_chunks: bool) -> None:
     if report["links"]:
         click.echo("\nlinks (names that read their target): " + ", ".join(
             f"{link['path']} -> {link['target']} ({link['kind']})" for link in report["links"]))
+    for g in report["damaged_groups"]:
+        click.echo(f"\nDAMAGED group {g['group']}: {g['problem']}")
     t = report["totals"]
     click.echo(f"\ntotal: {fmt_mb(t['original_bytes'])} -> {fmt_mb(t['stored_bytes'])} on disk, ratio {t['ratio']:.2f}")
     if "verify" in report:

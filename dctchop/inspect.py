@@ -20,6 +20,7 @@ from dctchop.store import (
     _chunk_ranges,
     array_bytes,
     array_problems,
+    group_problems,
     lossless_problems,
 )
 
@@ -145,8 +146,10 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
         "store": str(path), "version": info.get("version"), "created": info.get("created"),
         "source": info.get("source"), "arrays": arrays, "lossless": lossless, "links": info.get("links", []),
         "totals": {"original_bytes": original, "stored_bytes": stored, "ratio": original / stored},
+        "damaged_groups": group_problems(location),
     }
-    if verify is not None and not any(a["damaged_chunks"] for a in (*arrays.values(), *lossless.values())):
+    if verify is not None and not report["damaged_groups"] and not any(
+            a["damaged_chunks"] for a in (*arrays.values(), *lossless.values())):
         report["verify"] = _verify(group, info, verify)
     return report
 
@@ -170,15 +173,17 @@ def require_intact(path: str | Path, info: dict) -> None:
         problems = lossless_problems(Location(path), info, name)
         if problems:
             raise DctchopError(describe_damage(path, {name: problems}))
+    groups = group_problems(Location(path))
+    if groups:
+        raise DctchopError(describe_damage(path, {}, groups))
 
 
-def describe_damage(path: str | Path, problems: dict[str, list[dict]]) -> str:
-    """One line naming the first damaged array and chunk, and how many more problems there are."""
-    found = [(name, p) for name, ps in problems.items() for p in ps]
-    name, first = found[0]
-    where = f"array {name}" + (f", chunk {first['chunk']}" if first["chunk"] is not None else "")
+def describe_damage(path: str | Path, problems: dict[str, list[dict]], groups: list[dict] = ()) -> str:
+    """One line naming the first damaged array and chunk (or group), and how many more problems there are."""
+    found = [f"array {name}" + (f", chunk {p['chunk']}" if p["chunk"] is not None else "") + f": {p['problem']}"
+             for name, ps in problems.items() for p in ps] + [g["problem"] for g in groups]
     more = f" (and {len(found) - 1} more problem(s))" if len(found) > 1 else ""
-    return f"{path}: {where}: {first['problem']}{more}"
+    return f"{path}: {found[0]}{more}"
 
 
 def verify_store(path: str | Path, source_path: str | Path) -> dict:

@@ -111,6 +111,13 @@ class Location:
             return self._fs[0].isfile(self._key_path(key))
         return os.path.isfile(self._key_path(key))
 
+    def walk(self):
+        """``(key, directories, files)`` of every directory at or below the root, top down (``key`` is ""
+        for the root); emptying ``directories`` skips what lies below, as with :func:`os.walk`."""
+        fs, root = self._fs if self.is_url else (None, self.target)
+        for path, directories, files in (fs.walk(root, topdown=True) if fs else os.walk(root)):
+            yield path[len(root):].strip("/"), directories, files
+
     def read(self, key: str) -> bytes:
         """The bytes of one file; FileNotFoundError when it is missing."""
         if self.is_url:

@@ -50,7 +50,7 @@ from dctchop.codec import (
     read_header,
     transform_chunk,
 )
-from dctchop.errors import CorruptChunkError, DctchopError, output_exists
+from dctchop.errors import CorruptChunkError, DctchopError, first_line, output_exists
 from dctchop.formats import Source, SourceArray
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
 from dctchop.layout import colour_axis, infer_axes
@@ -483,10 +483,16 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
         if want is not None and (list(array.shape), np.dtype(array.dtype)) != (grid, want):
             problems.append({"chunk": None, "problem": f"metadata array {field_name} is {np.dtype(array.dtype)}"
                              f"{list(array.shape)}, not {want}{grid}"})
+    problems += [{"chunk": None, "problem": problem}
+                 for path in (META_GROUP, f"{META_GROUP}/{name}") if (problem := node_kind(root, path)[1])]
+    metadata_whole = not problems
+    on_disk = {}  # chunk -> size of its file, for the chunks that decode
     n_chunks = -(-shape[0] // chunks[0])
     for i in range(n_chunks):
         try:
-            read_header(unframe(root.read(keys[name](i))))
+            raw = root.read(keys[name](i))
+            read_header(unframe(raw))
+            on_disk[i] = len(raw)
         except FileNotFoundError:
             problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
         except OSError as e:
@@ -496,7 +502,44 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
         missing = [k for k in META_FIELDS if not _element_whole(root, keys[f"{META_GROUP}/{name}/{k}"](i),
                                                                    sizes.get(f"{META_GROUP}/{name}/{k}"))]
         if missing:
+            metadata_whole = False
             problems.append({"chunk": i, "problem": f"per-chunk metadata missing or damaged: {', '.join(missing)}"})
+    if metadata_whole:
+        recorded = np.asarray(group[f"{META_GROUP}/{name}/stored_bytes"][...]).reshape(-1)
+        problems += [{"chunk": i, "problem": f"its file holds {size} bytes, its metadata records {recorded[i]}: "
+                      "rewritten since (by a Zarr write?), so its recorded PSNR and error do not describe it"}
+                     for i, size in on_disk.items() if size != recorded[i]]
+        problems.sort(key=lambda p: (p["chunk"] is not None, p["chunk"] or 0))
+    return problems
+
+
+def node_kind(root: Location, path: str) -> tuple[str | None, str | None]:
+    """(``"group"`` or ``"array"``, None) for the node at ``path``, or (None, what is wrong with its
+    zarr.json). Zarr opens the arrays below a group whose zarr.json is gone, but no longer lists the group
+    or its attributes."""
+    try:
+        meta = json.loads(root.read(f"{path}/zarr.json"))
+    except FileNotFoundError:
+        return None, f"{path}/zarr.json is missing"
+    except (OSError, ValueError) as e:
+        return None, f"{path}/zarr.json is unreadable ({first_line(e)})"
+    kind = meta.get("node_type") if isinstance(meta, dict) else None
+    return (kind, None) if kind in ("group", "array") else (None, f"{path}/zarr.json is not Zarr metadata")
+
+
+def group_problems(root: Location) -> list[dict]:
+    """The user groups whose metadata is missing or damaged (a directory below a group is a group or an
+    array, each with its zarr.json); the metadata group's are each array's (:func:`array_problems`)."""
+    problems = []
+    for key, directories, _ in root.walk():
+        if key == META_GROUP:
+            directories.clear()
+            continue
+        kind, problem = node_kind(root, key) if key else ("group", None)  # the root: open_store read it
+        if problem is not None:
+            problems.append({"group": key, "problem": problem})
+        elif kind == "array":
+            directories.clear()  # chunks, not nodes
     return problems
 
 

@@ -576,6 +576,10 @@ STORE_DAMAGE = {
     "metadata array of another shape": ("metadata array psnr is float64[3, 1, 1], not float64[8, 1, 1]",),
     "array and its metadata deleted": ("array data", "cannot be opened"),
     "store record without a field": ("its dctchop attributes have a bad peak of array data",),
+    # zarr 3.1 still opened the metadata arrays below it, then inspect failed with KeyError
+    "metadata group zarr.json deleted": ("array data", "dctchop_meta/data/zarr.json is missing"),
+    # rewritten with the codec of the array's zarr.json: it decodes, but the metadata describes the old chunk
+    "chunk rewritten through zarr": ("array data, chunk 0", "metadata records"),
 }
 
 
@@ -602,6 +606,11 @@ def test_damaged_store_structure(tmp_path, good_store, damage):
     elif damage == "array and its metadata deleted":
         shutil.rmtree(store / "data")
         shutil.rmtree(store / "dctchop_meta" / "data")
+    elif damage == "metadata group zarr.json deleted":
+        (store / "dctchop_meta" / "data" / "zarr.json").unlink()
+    elif damage == "chunk rewritten through zarr":
+        array = zarr.open_group(str(store), mode="r+")["data"]
+        array[0] = 255 - array[0]
     else:
         record = json.loads((store / "zarr.json").read_text())
         del record["attributes"]["dctchop"]["arrays"]["data"]["peak"]
@@ -613,6 +622,26 @@ def test_damaged_store_structure(tmp_path, good_store, damage):
         out = tmp_path / "restored.npy"
         user_error(run("decompress", store, out), *words)
         assert_no_output(out)
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_damaged_group_metadata_is_found(tmp_path, damage):
+    """A group whose zarr.json was deleted dropped out of decompress with its attributes (exit 0); a
+    truncated one was an internal error there, and inspect said nothing of either."""
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"] = smooth((16, 16, 16), "uint8")
+        f.create_group("grp/sub").attrs["x"] = 3
+    store = tmp_path / "s.zarr"
+    ok(run("compress", tmp_path / "in.h5", store, "--quiet"))
+    meta = store / "grp" / "sub" / "zarr.json"
+    meta.unlink() if damage == "deleted" else meta.write_text(meta.read_text()[:10])
+    words = ("grp/sub/zarr.json", "is missing" if damage == "deleted" else "is unreadable")
+    p = run("inspect", store)
+    user_error(p, "damaged store", *words)
+    assert "DAMAGED group grp/sub" in p.stdout
+    out = tmp_path / "restored.h5"
+    user_error(run("decompress", store, out), *words)
+    assert_no_output(out)
 
 
 @pytest.fixture(scope="module")
