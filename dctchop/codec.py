@@ -250,6 +250,11 @@ def _weights(settings: ChunkSettings, plan: TransformPlan) -> np.ndarray | None:
 def _serialize(c: Coefficients, settings: ChunkSettings, steps: np.ndarray, stored: np.ndarray) -> bytes:
     """Header and payload of a chunk's stored values."""
     unit = settings.precision in ("float32", "bfloat16")
+    largest = float(np.max(c.maxabs, initial=0.0))
+    if unit and 0 < largest < np.finfo(np.float32).tiny:  # bfloat16 has float32's exponent range
+        raise DctchopError(f"coefficients underflow {settings.precision}, which stores them unscaled: the largest "
+                           f"is {largest:.3g}, below its smallest normal number {np.finfo(np.float32).tiny:.3g}; "
+                           "scale the data up or use float16/int16 (scaled per band)")
     if settings.precision in qz.INT_PRECISIONS:
         payload, flags = to_planes(stored, c.plan.order[1]), FLAG_BITPLANES
     elif _finite(stored, settings.precision):
