@@ -129,7 +129,8 @@ cli.add_command(sweep)
               help="Level of the lossless zstd stage after the codec (default 1). Negative levels (zstd's fast ones): the zstd "
                    "stage decodes about 3.5x faster, for 6-8% more bytes on float fields (20-30% on images); higher ones shrink "
                    "images by a few percent and encode slower.")
-@click.option("--workers", type=int, default=0, show_default=True, help="Encoding threads (0: one per core).")
+@click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Encoding threads (0: one per core).")
 @click.option("--scheduler", metavar="threads|processes|ADDRESS",
               help="Encode chunks as Dask tasks: local threads or processes, or a dask.distributed scheduler "
                    "address such as tcp://host:8786 (needs the dask extra; input and output on a shared filesystem).")
@@ -220,8 +221,8 @@ def inspect(store, as_json, show_chunks, verify_source):
     if damaged or report["damaged_groups"]:
         raise DctchopError(f"damaged store: {describe_damage(store, damaged, report['damaged_groups'])}")
     if verify_source and any(v["mismatches"] for v in report["verify"].values()):
-        bad = {k: len(v["mismatches"]) for k, v in report["verify"].items() if v["mismatches"]}
-        raise DctchopError(f"verification failed: {bad} chunk(s) differ from the stored metadata")
+        bad = ", ".join(f"{k} ({len(v['mismatches'])} chunk(s))" for k, v in report["verify"].items() if v["mismatches"])
+        raise DctchopError(f"verification failed: {bad} differ from the source or the stored metadata")
 
 
 def _print_damage(array: dict) -> None:

@@ -296,8 +296,10 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
         return math.exp(lo)
     # with a margin: the estimate counts the metadata before it is written
     if achieved(math.exp(hi)) < ratio * (1 - RATIO_TOLERANCE) * (1 + RATIO_MARGIN):
-        small = (f"; at {original} bytes its metadata alone outweighs that: copy it with --lossless"
-                 if overhead * ratio >= original else "")
+        small = ""
+        if overhead * ratio >= original:  # an HDF5 file's other arrays can still be compressed without it
+            advice = "" if plan.source.file.lower().endswith(".npy") else ": copy it with --lossless"
+            small = f"; at {original} bytes, its metadata alone (about {overhead} bytes) rules that out{advice}"
         raise DctchopError(f"{plan.name}: ratio {ratio:g} is unreachable (at most about "
                            f"{achieved(math.exp(hi)):.3g} with these settings, metadata included){small}")
     for _ in range(40):

@@ -1255,6 +1255,11 @@ def test_malformed_axes_is_a_usage_error_like_keep(data, tmp_path, axes):
     assert run("compress", data.npy, out, "--keep", "4,x").returncode == 2
 
 
+def test_negative_workers_is_a_usage_error_naming_the_option(data, tmp_path):
+    p = run("compress", data.npy, tmp_path / "a.zarr", "--workers", "-1")  # said "threads must be >= 0"
+    assert p.returncode == 2 and "Invalid value for '--workers'" in p.stderr, p.stderr
+
+
 def test_axes_out_of_range_is_a_user_error(data, tmp_path):
     user_error(run("compress", data.npy, tmp_path / "a.zarr", "--axes", "1,7"), "--axes 1,7", "out of range")
 

@@ -266,6 +266,14 @@ def test_the_ratio_is_checked_on_the_store_as_written(tmp_path, h5_images, monke
     assert not (tmp_path / "r.zarr").exists() and list(tmp_path.iterdir()) == [h5_images]
 
 
+def test_a_small_npy_out_of_reach_of_a_ratio_is_not_told_to_copy_it_losslessly(tmp_path):
+    """A .npy holds one array: --lossless would leave nothing to compress."""
+    np.save(tmp_path / "small.npy", np.random.default_rng(1).integers(0, 256, (10, 8, 8), np.uint8))
+    with pytest.raises(DctchopError, match=r"metadata alone \(about \d+ bytes\) rules that out\)?$"):
+        compress(open_source(str(tmp_path / "small.npy")), tmp_path / "s.zarr",
+                 CompressOptions(target=Target("ratio", 8.0)))
+
+
 def test_a_ratio_out_of_reach_for_any_array_fails_before_a_chunk_is_written(tmp_path, monkeypatch):
     # the arrays before it used to be encoded whole first; a tiny one's metadata outweighs any budget
     rng = np.random.default_rng(0)
