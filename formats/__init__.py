@@ -387,12 +387,8 @@ def _jsonable(value: Any) -> Any:
             return _DROP
     if isinstance(value, np.generic):
         return _jsonable(value.item()) if value.dtype.kind in "biufUS" else _DROP
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind in "biufUS":
-            return _jsonable(value.tolist())
-        if value.dtype.kind == "O":
-            return _jsonable(value.tolist())
-        return _DROP
+    if isinstance(value, np.ndarray):  # object arrays: h5py's variable-length strings
+        return _jsonable(value.tolist()) if value.dtype.kind in "biufUSO" else _DROP
     if isinstance(value, (list, tuple)):
         out = [_jsonable(v) for v in value]
         return _DROP if any(v is _DROP for v in out) else out
