@@ -659,6 +659,29 @@ def test_transform_once_then_quantize_equals_encode_chunk(step):
     assert encode_coefficients(coefficients, step) == encode_chunk(x, replace(s, step=step))
 
 
+@pytest.mark.parametrize("kind", ["uint8", "float32"])
+def test_psnr_targets_near_the_mask_ceiling_take_the_coarsest_step_that_holds(kind):
+    # A triangle mask caps the PSNR: near that cap the dropped energy is nearly all of the error budget. The
+    # step search once allowed its slack on the whole budget, so any step fine enough was accepted: targets
+    # just under the cap came out at the cap, and a lower target could store more than a higher one.
+    x, peak = (smooth_uint8_stack(seed=5, noise=8.0), 255.0) if kind == "uint8" else \
+        (smooth_float_field(shape=(3, 48, 48)), None)
+    settings = ChunkSettings((1, 2), (16, 16), (16, 16), mask="triangle", precision="int16", peak=peak)
+    reference = peak or float(x.max()) - float(x.min())
+
+    def psnr_and_size(target):
+        data = encode_chunk(x, replace(settings, target_psnr=target))
+        return measured_psnr(x, decode_chunk(data, x.shape, x.dtype), reference), len(data)
+
+    ceiling, _ = psnr_and_size(200.0)
+    sizes = []
+    for below in (0.1, 0.05, 0.03, 0.02, 0.01):
+        achieved, size = psnr_and_size(ceiling - below)
+        assert ceiling - below <= achieved < ceiling - below + 0.01
+        sizes.append(size)
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+
+
 @pytest.mark.parametrize("precision", ["int8", "int16"])
 def test_lower_psnr_target_uses_coarser_steps(precision):
     x = smooth_uint8_stack(seed=2)
