@@ -21,18 +21,28 @@ def fmt_db(v: float | str) -> str:
     return "inf" if v == float("inf") else f"{v:.2f}"
 
 
+class Path(click.Path):
+    """``click.Path`` that refuses an empty name: click passes ``""`` on, and it then reads as the current
+    directory (``dctchop compress x.npy ""`` said the output must not contain the input)."""
+
+    def convert(self, value, param, ctx):
+        if value == "":
+            self.fail("empty path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def int_list(text: str | None, option: str) -> tuple[int, ...] | None:
-    """``"4,2"`` -> (4, 2); a malformed or empty value is a usage error (exit 2), as click's own types."""
+    """``"4,2"`` -> (4, 2); a malformed value (``"8,"`` included) or an empty one is a usage error (exit 2),
+    as click's own types."""
     if text is None:
         return None
+    if not text.strip():
+        raise click.BadParameter("empty value", param_hint=option)
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        return tuple(int(v) for v in text.split(","))
     except ValueError:
         raise click.BadParameter(f"expected an integer or comma-separated integers, got {text!r}",
                                  param_hint=option) from None
-    if not values:
-        raise click.BadParameter("empty value", param_hint=option)
-    return values
 
 
 def check_axes(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

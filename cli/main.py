@@ -21,7 +21,7 @@ import warnings
 import click
 
 from dctchop._version import __version__
-from dctchop.cli.common import CONTEXT, PSNR_HELP, check_axes, fmt_db, fmt_mb, int_list
+from dctchop.cli.common import CONTEXT, PSNR_HELP, Path, check_axes, fmt_db, fmt_mb, int_list
 from dctchop.cli.pictures import preview, sweep
 from dctchop.errors import DctchopError, first_line
 
@@ -104,8 +104,8 @@ cli.add_command(sweep)
 
 
 @cli.command(context_settings=CONTEXT, epilog=PSNR_HELP)
-@click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=True))
-@click.argument("output", type=click.Path())
+@click.argument("input_path", metavar="INPUT", type=Path(dir_okay=True))
+@click.argument("output", type=Path())
 @click.option("--dataset", "datasets", multiple=True, metavar="PATH",
               help="HDF5 dataset to compress lossily (repeatable); others that would be are left out, the "
                    "ones copied losslessly by default (1-D, per-sample tables, per-pixel integer maps, empty) are "
@@ -201,10 +201,10 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
 
 
 @cli.command(context_settings=CONTEXT, epilog=PSNR_HELP)
-@click.argument("store", type=click.Path())
+@click.argument("store", type=Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--chunks", "show_chunks", is_flag=True, help="Also print the per-chunk table.")
-@click.option("--verify", "verify_source", type=click.Path(), metavar="SOURCE",
+@click.option("--verify", "verify_source", type=Path(), metavar="SOURCE",
               help="Decode everything and recompute PSNR and max error against SOURCE; exit 1 on a mismatch.")
 def inspect(store, as_json, show_chunks, verify_source):
     """Report shape, settings, sizes, ratio, PSNR and max error of each array in STORE."""
@@ -221,7 +221,8 @@ def inspect(store, as_json, show_chunks, verify_source):
     if damaged or report["damaged_groups"]:
         raise DctchopError(f"damaged store: {describe_damage(store, damaged, report['damaged_groups'])}")
     if verify_source and any(v["mismatches"] for v in report["verify"].values()):
-        bad = ", ".join(f"{k} ({len(v['mismatches'])} chunk(s))" for k, v in report["verify"].items() if v["mismatches"])
+        bad = ", ".join(k if v.get("lossless") else f"{k} ({len(v['mismatches'])} chunk(s))"
+                        for k, v in report["verify"].items() if v["mismatches"])
         raise DctchopError(f"verification failed: {bad} differ from the source or the stored metadata")
 
 
@@ -262,13 +263,16 @@ def _print_report(report: dict, show_chunks: bool) -> None:
     click.echo(f"\ntotal: {fmt_mb(t['original_bytes'])} -> {fmt_mb(t['stored_bytes'])} on disk, ratio {t['ratio']:.2f}")
     if "verify" in report:
         for name, v in report["verify"].items():
+            if v.get("lossless"):
+                click.echo(f"verify {name}: lossless copy, {'ok' if not v['mismatches'] else 'differs from the source'}")
+                continue
             state = "ok" if not v["mismatches"] else f"{len(v['mismatches'])} mismatching chunk(s)"
             click.echo(f"verify {name}: {v['chunks']} chunk(s) checked, {state}")
 
 
 @cli.command(context_settings=CONTEXT)
-@click.argument("store", type=click.Path())
-@click.argument("output", type=click.Path())
+@click.argument("store", type=Path())
+@click.argument("output", type=Path())
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 def decompress(store, output, overwrite):
     """Decode STORE into OUTPUT: .npy (a single array) or .h5 (all arrays, groups and attributes)."""

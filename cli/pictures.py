@@ -10,15 +10,23 @@ import json
 
 import click
 
-from dctchop.cli.common import CONTEXT, PSNR_HELP, check_axes, check_target_psnr, check_target_ratio, fmt_db
+from dctchop.cli.common import (
+    CONTEXT,
+    PSNR_HELP,
+    Path,
+    check_axes,
+    check_target_psnr,
+    check_target_ratio,
+    fmt_db,
+)
 from dctchop.errors import DctchopError
 
 
 @click.command(context_settings=CONTEXT, epilog=PSNR_HELP)
-@click.argument("store", type=click.Path())
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), metavar="PNG",
+@click.argument("store", type=Path())
+@click.option("--out", "out", required=True, type=Path(dir_okay=False), metavar="PNG",
               help="The picture to write (PNG).")
-@click.option("--source", type=click.Path(dir_okay=False), metavar="INPUT",
+@click.option("--source", type=Path(dir_okay=False), metavar="INPUT",
               help="The input the store was made from (default: the path recorded in the store).")
 @click.option("--index", "indices", type=int, multiple=True, metavar="I",
               help="Sample to show (repeatable; negative counts from the end). Default: 4 spread over the array.")
@@ -42,7 +50,7 @@ def preview(store, out, source, indices, array):
 
 
 @click.command(context_settings=CONTEXT, epilog=PSNR_HELP)
-@click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
+@click.argument("input_path", metavar="INPUT", type=Path(dir_okay=False))
 @click.option("--dataset", metavar="PATH", help="HDF5 dataset to sweep (default: the first lossy one).")
 @click.option("--follow-external", is_flag=True, help="Follow HDF5 external links and virtual datasets.")
 @click.option("--axes", metavar="A,B[,C]", callback=check_axes,
@@ -54,7 +62,7 @@ def preview(store, out, source, indices, array):
               help="Recommend the best-PSNR setting with ratio >= R (within 5%).")
 @click.option("--target-psnr", type=float, metavar="DB", callback=check_target_psnr,
               help="Recommend the highest-ratio setting with PSNR >= DB.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), metavar="PNG",
+@click.option("--plot", "plot_path", type=Path(dir_okay=False), metavar="PNG",
               help="Draw the rate-distortion curve into this PNG (1024x768 px; needs the plot extra).")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON on stdout.")
 def sweep(input_path, dataset, follow_external, axes, sample, target_ratio, target_psnr, plot_path, as_json):

@@ -796,6 +796,7 @@ def test_inspect_human_with_chunks_and_verify(data, base):
     assert "total: " in out
     assert "verify images: 4 chunk(s) checked, ok" in out
     assert "verify extra/aux: 4 chunk(s) checked, ok" in out
+    assert "verify labels: lossless copy, ok" in out  # the copies are checked too, and said so
 
 
 def test_inspect_json_matches_recomputation(data, base):
@@ -887,6 +888,7 @@ def test_inspect_verify_detects_a_lossless_array_of_another_dtype(data, base, tm
         f["labels"] = labels.astype(np.int32 if labels.dtype != np.int32 else np.int64)  # the same values
     p = run("inspect", base.store, "--verify", modified)
     assert p.returncode == 1, p.stdout + p.stderr
+    assert "verify labels: lossless copy, differs from the source" in p.stdout
 
 
 def test_inspect_verify_detects_changed_lossless_array(data, base, tmp_path):
@@ -896,6 +898,7 @@ def test_inspect_verify_detects_changed_lossless_array(data, base, tmp_path):
         f["labels"][0] = f["labels"][0] + 1
     p = run("inspect", base.store, "--verify", modified)
     assert p.returncode == 1, p.stdout + p.stderr
+    assert "verification failed: labels differ" in p.stderr
 
 
 def test_inspect_verify_against_renamed_identical_npy(data, psnr45, tmp_path):
@@ -1243,7 +1246,7 @@ def test_per_sample_tables_beside_images_are_stored_bit_exactly(tmp_path):
     assert set(info["arrays"]) == {"images", "boxes"} and sorted(info["lossless"]) == ["labels", "onehot"]
 
 
-@pytest.mark.parametrize("axes", ["", ",", "1,x", "a"])
+@pytest.mark.parametrize("axes", ["", ",", "1,x", "a", "1,", "1,,2"])
 def test_malformed_axes_is_a_usage_error_like_keep(data, tmp_path, axes):
     # --axes "" was ignored, and --axes 1,x exited 1 where --keep 4,x exits 2
     out = tmp_path / "a.zarr"
@@ -1253,6 +1256,22 @@ def test_malformed_axes_is_a_usage_error_like_keep(data, tmp_path, axes):
         assert "Traceback" not in p.stderr
     assert not out.exists() and not leftovers(tmp_path, out.name)
     assert run("compress", data.npy, out, "--keep", "4,x").returncode == 2
+
+
+def test_trailing_comma_in_block_is_a_usage_error(data, tmp_path):
+    p = run("compress", data.npy, tmp_path / "a.zarr", "--block", "8,")  # was taken as 8
+    assert p.returncode == 2 and "Invalid value for --block" in p.stderr, p.stderr
+
+
+def test_empty_paths_are_usage_errors_naming_the_argument(data, tmp_path):
+    # "" read as the current directory: compress said the output must not contain the input
+    store = tmp_path / "a.zarr"
+    ok(run("compress", data.npy, store))
+    for command, name in ((["compress", "", tmp_path / "b.zarr"], "INPUT"), (["compress", data.npy, ""], "OUTPUT"),
+                          (["inspect", ""], "STORE"), (["decompress", store, ""], "OUTPUT"),
+                          (["preview", store, "--out", ""], "--out"), (["sweep", data.npy, "--plot", ""], "--plot")):
+        p = run(*command)
+        assert p.returncode == 2 and f"Invalid value for '{name}': empty path" in p.stderr, (command, p.stderr)
 
 
 def test_negative_workers_is_a_usage_error_naming_the_option(data, tmp_path):
