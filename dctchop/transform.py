@@ -816,11 +816,6 @@ def _storage_order(shape, axes, block, keep, mask):
         return np.asarray(values).reshape(view)
 
     bands = [along(p.band, d) for d, p in enumerate(plan.axis_plans)]
-    bkeeps = [along(p.block_keep, d) for d, p in enumerate(plan.axis_plans)]
-    if mask == "triangle":
-        inside = np.broadcast_to(in_triangle(bands, bkeeps), cshape)
-    else:
-        inside = np.ones(cshape, dtype=bool)
     band_list = plan.bands
     band_index = {b: i for i, b in enumerate(band_list)}
     # rank of (block group, band): group says which axes sit in an edge block
@@ -835,13 +830,18 @@ def _storage_order(shape, axes, block, keep, mask):
     group = 0
     for d, p in enumerate(plan.axis_plans):
         group = group + along((p.width != p.block).astype(np.int64) << d, d)
-    rank = rank_lut[(np.broadcast_to(group, cshape), *[np.broadcast_to(b, cshape) for b in bands])]
-    flat_inside = np.flatnonzero(inside)
-    ranks = rank.ravel()[flat_inside]
+    if len(band_of_rank) < 1 << 16:  # numpy sorts 16-bit integers by radix: 0.06 s against 0.4 for 4.2M int64
+        rank_lut = rank_lut.astype(np.uint16)  # the -1 of bands a triangle drops: 65535, never inside
+    ranks = rank_lut[(np.broadcast_to(group, cshape), *[np.broadcast_to(b, cshape) for b in bands])].ravel()
+    if mask == "triangle":
+        bkeeps = [along(p.block_keep, d) for d, p in enumerate(plan.axis_plans)]
+        inside = np.flatnonzero(np.broadcast_to(in_triangle(bands, bkeeps), cshape))
+        ranks = ranks[inside]
     order = np.argsort(ranks, kind="stable")
-    index = flat_inside[order]
+    index = inside[order] if mask == "triangle" else order
     sorted_ranks = ranks[order]
-    starts = np.flatnonzero(np.diff(sorted_ranks, prepend=-1)) if index.size else np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], sorted_ranks[1:] != sorted_ranks[:-1]))) if index.size \
+        else np.zeros(0, np.int64)
     seg_bands = np.asarray(band_of_rank, dtype=np.int64)[sorted_ranks[starts]]
     seg_starts = np.append(starts, index.size).astype(np.int64)
     for arr in (index, seg_starts, seg_bands):
