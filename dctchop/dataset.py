@@ -36,7 +36,7 @@ from dctchop.codec import ChunkDecoder, DctChopCodec, StoredChunk, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError, first_line
 from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
-from dctchop.store import LosslessCopy, chunk_file, every_chunk_written, unframe
+from dctchop.store import META_GROUP, LosslessCopy, chunk_file, every_chunk_written, unframe
 from dctchop.transform import channels_first_axes, resolve_threads
 
 __all__ = ["ArrayView", "Dataset", "open"]
@@ -56,7 +56,7 @@ SPARE_ARRAYS = 2
 class _LossyArray:
     """Chunk reader for one dctchop-coded array: chunk files -> checked bytes -> decoded samples."""
 
-    def __init__(self, root: Location, name: str, array: zarr.Array) -> None:
+    def __init__(self, root: Location, name: str, array: zarr.Array, sizes: np.ndarray | None) -> None:
         self.name, self.array = name, array
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
         self.chunk_shape = tuple(array.chunks)
@@ -65,15 +65,22 @@ class _LossyArray:
         self.direct = (codecs == (DctChopCodec, ZstdCodec, Crc32cCodec) and self.chunk_shape[1:] == self.shape[1:]
                        and root.exists(name))
         self._root = root
+        self._sizes = sizes  # each chunk file's size as written (the store's stored_bytes), when readable
 
     def raw(self, index: int) -> bytes:
-        """The dctchop-coded bytes of chunk ``index`` (zstd undone, crc32c checked)."""
+        """The dctchop-coded bytes of chunk ``index`` (zstd undone, crc32c checked; a file of another size
+        than the one written is refused: another valid chunk copied over it would decode as wrong samples)."""
         key = chunk_file(self.name, self.array, 1, index)
         path = f"{self._root}/{key}"
         try:
             data = self._root.read(key)
         except FileNotFoundError:
             raise _missing_chunk(self.name, index, path) from None
+        except OSError as e:
+            raise DctchopError(f"array {self.name}: chunk {index} ({path}) is unreadable ({e.strerror or e})") from None
+        if self._sizes is not None and self._sizes[index] and len(data) != self._sizes[index]:  # 0: not recorded
+            raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): its file holds {len(data)} bytes, "
+                                    f"the store recorded {self._sizes[index]}; the store is damaged")
         try:
             return unframe(data)
         except CorruptChunkError as e:
@@ -137,6 +144,9 @@ class _LosslessArray:
             return np.asarray(self.array[k * self._zarr_len : (k + 1) * self._zarr_len])
         except ValueError as e:  # zarr's crc32c codec on a corrupted file
             raise CorruptChunkError(f"array {self.name}: chunk {k} ({self._root}/{key}): {first_line(e)}") from None
+        except OSError as e:
+            raise DctchopError(f"array {self.name}: chunk {k} ({self._root}/{key}) is unreadable "
+                               f"({e.strerror or e})") from None
 
     def decode(self, index: int) -> np.ndarray:
         """Samples of data chunk ``index``: a new array (the kept Zarr chunks are never handed out)."""
@@ -145,6 +155,15 @@ class _LosslessArray:
         parts = [self._zarr_chunk(k)[max(start - k * self._zarr_len, 0) : stop - k * self._zarr_len]
                  for k in range(first, last + 1)]
         return np.concatenate(parts)
+
+
+def _recorded_sizes(group: zarr.Group, name: str) -> np.ndarray | None:
+    """Each chunk file's size as written (``stored_bytes``), in chunk order; None when that table is missing
+    or damaged (``dctchop inspect`` reports it; reading the samples does not need it)."""
+    try:
+        return np.asarray(group[f"{META_GROUP}/{name}/stored_bytes"][...]).reshape(-1)
+    except (KeyError, ValueError, OSError):
+        return None
 
 
 def _missing_chunk(name: str, index: int, path: str) -> DctchopError:
@@ -492,8 +511,8 @@ class Dataset:
             if list(array.shape) != list(info["arrays"][name]["shape"]):
                 raise DctchopError(f"{self.path}: array {name}'s metadata says shape {list(array.shape)}, the "
                                    f"store's record {info['arrays'][name]['shape']}; the store is damaged")
-            self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array), info["arrays"][name],
-                                          self._threads)
+            self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array, _recorded_sizes(group, name)),
+                                          info["arrays"][name], self._threads)
         main = main_array(info["arrays"]) if main is None else _array_name(main, self._links, self.lossy_names)
         if main not in self.lossy_names:
             raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "

@@ -439,6 +439,9 @@ class Loader:
         self.dataset = path if isinstance(path, Dataset) else Dataset(path, threads=1)
         self.names = self._choose_arrays(arrays)
         first = next((n for n in self.names if self.dataset.array(n).lossy), None)
+        if first is None and (mean is not None or std is not None):
+            raise DctchopError(f"mean/std normalise a compressed array, and arrays={self.names!r} names only "
+                               "lossless copies, which the loader yields as stored")
         if first is not None and first != self.dataset.main.name:  # samples and chunks are counted on it
             self.dataset = Dataset(self.dataset.path, threads=1, main=first)
         self.specs = [self._spec(name, name == first, dtype, layout, mean, std) for name in self.names]
@@ -514,11 +517,12 @@ class Loader:
         return OutputSpec(name, True, perm, out, item_shape, channel_axis, mean, scale, work)
 
     def _check_torch_dtypes(self) -> None:
-        """Refuse arrays torch has no tensor dtype for (bytes, strings, objects, compound records) here,
-        not with torch's TypeError in the middle of an epoch (compressed arrays are always numbers)."""
+        """Refuse arrays torch has no tensor dtype for (bytes, strings, objects, compound records, extended
+        precision: float128, complex256) here, not with torch's TypeError in the middle of an epoch
+        (compressed arrays are always numbers)."""
         for name in self.names:
             stored = self.dataset.array(name).dtype
-            if stored.kind not in "biufc":
+            if stored.kind not in "biufc" or stored.itemsize > (16 if stored.kind == "c" else 8):
                 others = [n for n in self.names if n != name]
                 hint = f"arrays={others!r} to leave it out" if others else "arrays= to yield others"
                 raise DctchopError(f"array {name} holds {stored} values, which torch tensors cannot hold; "

@@ -760,6 +760,26 @@ def test_a_damaged_chunk_is_reported_by_name(image_store, tmp_path):
         dctchop.open(store)[200]
 
 
+def test_a_chunk_file_swapped_for_another_is_refused(image_store, tmp_path):
+    # chunk 4's valid file copied over chunk 3 passed the crc32c and header checks: ds[3 * CHUNK] was image
+    # 4 * CHUNK, and a whole epoch ran on it; inspect and decompress already refused the store
+    import shutil
+
+    store = tmp_path / "swapped.zarr"
+    shutil.copytree(image_store, store)
+    shutil.copy(store / "images/c.4.0.0.0", store / "images/c.3.0.0.0")
+    with pytest.raises(CorruptChunkError, match=r"^array images: chunk 3 \(.*\): its file holds \d+ bytes, the "
+                                                r"store recorded \d+; the store is damaged"):
+        dctchop.open(store)[3 * CHUNK]
+    with pytest.raises(CorruptChunkError, match="chunk 3"):
+        for _ in dctchop.Loader(store, batch_size=100, shuffle=False):
+            pass
+    (store / "images/c.3.0.0.0").unlink()
+    (store / "images/c.3.0.0.0").mkdir()  # unreadable: an OSError other than a missing file
+    with pytest.raises(DctchopError, match=r"^array images: chunk 3 \(.*\) is unreadable \(Is a directory\)"):
+        dctchop.open(store)[3 * CHUNK]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"batch_size": 0}, "batch_size must be a positive integer"),
     ({"batch_size": -3}, "batch_size must be a positive integer"),
@@ -811,6 +831,7 @@ def record_store(tmp_path_factory):
         f["images"] = np.random.default_rng(0).integers(0, 256, (40, 16, 16), dtype=np.uint8)
         f["names"] = np.array([b"id%05d" % i for i in range(40)], dtype="S8")
         f["records"] = np.array([(i, i / 2) for i in range(40)], dtype=[("id", "<i4"), ("weight", "<f4")])
+        f["wide"] = np.arange(40).astype(np.longdouble)  # extended precision: kept, but no torch dtype
     compress(open_source(str(d / "in.h5")), d / "records.zarr", CompressOptions(chunk_samples=16))
     return d / "records.zarr"
 
@@ -828,7 +849,8 @@ def test_records_and_byte_strings_load_as_numpy(record_store):
 
 @pytest.mark.filterwarnings("ignore:The data type .* does not have a Zarr V3 specification")
 @needs_torch
-@pytest.mark.parametrize("name, dtype", [("names", "|S8"), ("records", "[('id', '<i4'), ('weight', '<f4')]")])
+@pytest.mark.parametrize("name, dtype", [("names", "|S8"), ("records", "[('id', '<i4'), ('weight', '<f4')]"),
+                                         ("wide", str(np.dtype(np.longdouble)))])
 def test_torch_output_refuses_arrays_torch_cannot_hold(record_store, name, dtype):
     """Refused when the loader is made, naming the array and the ways out, not by torch mid-epoch."""
     message = (rf"array {name} holds {re.escape(dtype)} values, which torch tensors cannot hold; pass "
@@ -839,6 +861,14 @@ def test_torch_output_refuses_arrays_torch_cannot_hold(record_store, name, dtype
         dctchop.TorchDataset(record_store, batch_size=8, arrays=["images", name])
     x = next(iter(dctchop.Loader(record_store, batch_size=8, arrays=["images"], output="torch")))
     assert isinstance(x, torch.Tensor) and x.shape == (8, 16, 16)
+
+
+def test_mean_and_std_are_refused_when_arrays_names_no_compressed_array(record_store):
+    # they were ignored: the lossless copies came out as stored, un-normalised
+    with pytest.raises(DctchopError, match=r"mean/std normalise a compressed array, and arrays=\['wide'\]"):
+        dctchop.Loader(record_store, batch_size=4, arrays=["wide"], mean=[100.0], std=[20.0])
+    x = next(iter(dctchop.Loader(record_store, batch_size=4, shuffle=False, arrays=["wide"])))
+    np.testing.assert_array_equal(x, np.arange(4))
 
 
 def test_torch_asked_for_but_not_installed(image_store, monkeypatch):
