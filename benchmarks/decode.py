@@ -6,7 +6,7 @@ Chunks (encoded once, by this checkout; the format is the same for every revisio
   (1, 2, 3) with blocks (8, 8, 3) (what ``dctchop compress`` picks for it);
 * ``field``: the bundled 64³ float32 field tiled to (32, 128, 256), int16 at PSNR 60, blocks 8³.
 
-Stages: ``zstd`` (undo level-3 zstd, as the store frames chunks), ``read_stored`` (header checks and the
+Stages: ``zstd`` (undo zstd at the store's default level, as the store frames chunks), ``read_stored`` (header checks and the
 bit-plane unpack: what device decode leaves to the host), ``inverse`` (:func:`dctchop.transform.inverse` of
 the whole coefficient image), ``decode`` (:func:`dctchop.codec.decode_chunk`, 1 and 2 threads). Each figure
 is the median of ``--repeats`` timings; MB/s counts the decoded array in its own dtype. With ``--baseline
@@ -42,6 +42,7 @@ def make_chunks(out: Path) -> None:
     import numcodecs
 
     from dctchop.codec import ChunkSettings, encode_chunk
+    from dctchop.store import ZSTD_LEVEL
 
     with h5py.File(ROOT / "sample_data/images.h5") as f:
         images = f["images"][:]
@@ -53,7 +54,7 @@ def make_chunks(out: Path) -> None:
     for name, (x, settings) in cases.items():
         data = encode_chunk(x, settings)
         (out / f"{name}.dctchop").write_bytes(data)
-        (out / f"{name}.zst").write_bytes(numcodecs.Zstd(level=3).encode(data))
+        (out / f"{name}.zst").write_bytes(numcodecs.Zstd(level=ZSTD_LEVEL).encode(data))
         meta[name] = {"shape": list(x.shape), "dtype": str(x.dtype), "bytes": len(data)}
     (out / "chunks.json").write_text(json.dumps(meta))
 
@@ -129,16 +130,17 @@ def main() -> None:
                 runs[label].append(_child(source, chunk_dir, args.repeats))
         meta = json.loads((chunk_dir / "chunks.json").read_text())
     for name, m in meta.items():
-        print(f"\n{name}: {m['dtype']}{m['shape']}, {m['bytes'] / 1e6:.2f} MB coded")
-        print(f"{'stage':<12}" + "".join(f"{label + ' ms':>14}{'MB/s':>8}" for label in runs)
-              + ("   ratio" if len(runs) == 2 else ""))
+        print(f"\n{name}: {m['dtype']}{m['shape']}, {m['bytes'] / 1e6:.2f} MB coded\n")
+        head = ["stage", *(h for label in runs for h in (f"{label} ms", f"{label} MB/s"))]
+        head += ["ratio"] if len(runs) == 2 else []
+        print("| " + " | ".join(head) + " |\n|" + "---|" + "---:|" * (len(head) - 1))
         for stage in STAGES:
             ms = {label: float(np.median([r[name][stage] for r in rs])) for label, rs in runs.items()}
-            row = f"{stage:<12}" + "".join(f"{v:>14.2f}{meta_mb(runs, name) / v * 1e3:>8.0f}" for v in ms.values())
+            cells = [stage, *(c for v in ms.values() for c in (f"{v:.2f}", f"{meta_mb(runs, name) / v * 1e3:.0f}"))]
             if len(runs) == 2:
                 a, b = ms.values()
-                row += f"{a / b:>7.2f}x"
-            print(row)
+                cells.append(f"{a / b:.2f}x")
+            print("| " + " | ".join(cells) + " |")
 
 
 def meta_mb(runs: dict, name: str) -> float:

@@ -23,8 +23,8 @@ epoch) and the same output (contiguous float32 batches, channels-first and norma
 
 Data: the bundled 32x32 RGB sample tiled to ``--images`` images (uint8 NHWC), and ``--fields`` float32
 (32, 32, 32) volumes cut from the bundled 64³ field at shifted offsets. Epochs of 64 and 16 batches by
-default. The image epoch is 12 chunks (3 shuffle windows), short next to a training epoch: at its start the
-first window decodes before any batch. ``--images 65536`` (48 chunks, about CIFAR-10's size) measured 250,300
+default. The image epoch is 13 chunks (4 shuffle windows), short next to a training epoch: at its start the
+first window decodes before any batch. ``--images 65536`` (49 chunks, about CIFAR-10's size) measured 250,300
 and 228,242 images/s on 2 threads, the default 234,374 and 227,455, alternating (the JPEG rows do not depend on
 it). ``GB/s out`` counts the bytes of the batches handed out (float32); ``GB/s data`` counts the decoded
 samples in their stored dtype (uint8 for images). Each figure is the best of ``--repeats`` epochs after one

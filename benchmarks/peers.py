@@ -685,6 +685,28 @@ def gap_table(results: list[Result], targets: Sequence[float]) -> str:
     return "\n".join(lines)
 
 
+PEERS = ("zfp fixed-rate", "zfp fixed-accuracy", "sz3", "jpeg", "jpeg (abbrev.)")
+
+
+def speed_table(results: list[Result], targets: Sequence[float]) -> str:
+    """dctchop's decode speed at each target against the fastest peer configuration that reaches the target
+    ratio (within RATIO_TOL), whatever its PSNR: every variant counts (JPEG 4:2:0 as well as 4:4:4)."""
+    head = ["target", "dctchop decomp MB/s", "fastest peer", "its PSNR dB", "its decomp MB/s", "dctchop / peer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in targets:
+        ours = next((r for r in results if r.method == "dctchop" and r.target == t and r.reached), None)
+        peers = [r for r in results if r.method.removesuffix(" variant") in PEERS and r.target == t and r.reached
+                 and abs(r.ratio / t - 1) <= RATIO_TOL]
+        if ours is None or not peers:
+            continue
+        fastest = max(peers, key=lambda r: r.decompress_mbs)
+        name = fastest.method.removesuffix(" variant") + (f" {fastest.variant}" if fastest.variant else "")
+        lines.append("| " + " | ".join([f"{t:g}", _mbs(ours.decompress_mbs), name, _f(fastest.psnr),
+                                         _mbs(fastest.decompress_mbs),
+                                         f"{ours.decompress_mbs / fastest.decompress_mbs:.2f}x"]) + " |")
+    return "\n".join(lines)
+
+
 def plot(ds: Dataset, results: list[Result], path: Path) -> None:
     import matplotlib
 
@@ -820,6 +842,10 @@ def run_dataset(name: str, targets: list[float], curve: list[float], repeats: in
         "Gap, dB (dctchop minus method at exactly the target ratio; negative = dctchop behind):",
         "",
         gap_table(results, targets),
+        "",
+        "Decode speed against the fastest peer configuration at the target ratio (one thread):",
+        "",
+        speed_table(results, targets),
         "",
         "<details><summary>All variants</summary>",
         "",
