@@ -130,7 +130,8 @@ cli.add_command(sweep)
                    "stage decodes about 3.5x faster, for 6-8% more bytes on float fields (20-30% on images); higher ones shrink "
                    "images by a few percent and encode slower.")
 @click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Encoding threads (0: one per core).")
+              help="Encoding threads, or Dask's local threads or processes with --scheduler threads|processes "
+                   "(0: one per core).")
 @click.option("--scheduler", metavar="threads|processes|ADDRESS",
               help="Encode chunks as Dask tasks: local threads or processes, or a dask.distributed scheduler "
                    "address such as tcp://host:8786 (needs the dask extra; input and output on a shared filesystem).")

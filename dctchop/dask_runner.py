@@ -32,16 +32,17 @@ def _require_dask(scheduler: str):
     return dask
 
 
-def run_tasks(fn: Callable, items: list[tuple], scheduler: str) -> Iterator:
-    """Yield ``fn(*item)`` for every item as the tasks finish (in completion order)."""
+def run_tasks(fn: Callable, items: list[tuple], scheduler: str, workers: int) -> Iterator:
+    """Yield ``fn(*item)`` for every item as the tasks finish (in completion order); a local scheduler runs
+    ``workers`` threads or processes (a cluster has its own)."""
     dask = _require_dask(scheduler)
     if scheduler in LOCAL_SCHEDULERS:
-        yield from _run_local(dask, fn, items, scheduler)
+        yield from _run_local(dask, fn, items, scheduler, workers)
     else:
         yield from _run_distributed(fn, items, scheduler)
 
 
-def _run_local(dask, fn, items, scheduler) -> Iterator:
+def _run_local(dask, fn, items, scheduler, workers: int) -> Iterator:
     """dask.compute in a background thread, on a pool of our own; each finished task's result is handed over
     through a queue. Stopped early (Ctrl-C, an error), the pool's processes are terminated and the thread
     joined: left to Dask's own pool, the interpreter's exit waited forever on a worker whose shutdown
@@ -58,7 +59,6 @@ def _run_local(dask, fn, items, scheduler) -> Iterator:
             if key in keys:  # not dask's own bookkeeping tasks
                 finished.put((result,))
 
-    workers = os.cpu_count() or 1
     if scheduler == "threads":
         pool = ThreadPoolExecutor(workers, thread_name_prefix="dctchop-dask")
     else:  # spawn, as Dask's own: numba's threading layer dies after fork

@@ -692,7 +692,7 @@ def _write_lossy(root: Location, plan: ArrayPlan, workers: int, scheduler: str |
     ranges = _chunk_ranges(plan.source.shape[0], plan.chunks[0])
     items = [(i, s, e) for i, (s, e) in enumerate(ranges)]
     meta = {k: np.zeros(len(ranges), dtype=v) for k, v in META_FIELDS.items()}
-    sse = 0.0
+    sse = []  # summed exactly (math.fsum): the chunks finish in any order, and the store must not depend on it
     if scheduler is None:
         results = _encode_and_write(root, plan, items, workers)
     else:
@@ -700,16 +700,16 @@ def _write_lossy(root: Location, plan: ArrayPlan, workers: int, scheduler: str |
 
         per_task = max(1, DASK_TASK_BYTES // (math.prod(plan.chunks) * plan.source.dtype.itemsize))
         runs = [(plan, root, items[i : i + per_task]) for i in range(0, len(items), per_task)]
-        results = _flatten(run_tasks(encode_chunks_task, runs, scheduler))
+        results = _flatten(run_tasks(encode_chunks_task, runs, scheduler, workers))
     try:
         for r in results:
             for key in META_FIELDS:
                 meta[key][r["chunk"]] = r[key]
-            sse += r["sse"]
+            sse.append(r["sse"])
             progress(r["nbytes"])
     finally:
         results.close()  # on an error or Ctrl-C: stop the workers before the caller removes the store
-    return {"sse": sse, "meta": meta}
+    return {"sse": math.fsum(sse), "meta": meta}
 
 
 def _encode_and_write(root: Location, plan: ArrayPlan, items: list[tuple[int, int, int]],

@@ -89,7 +89,7 @@ def test_workers_reuse_freed_buffers(cluster):
             np.ones(4 << 20, np.float32)
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, os.environ.get("MALLOC_TRIM_THRESHOLD_")
 
-    (faults, trim), = run_tasks(page_faults, [()], cluster.scheduler_address)
+    (faults, trim), = run_tasks(page_faults, [()], cluster.scheduler_address, 1)
     if trim is None:
         pytest.skip("this Dask does not set MALLOC_TRIM_THRESHOLD_ in its workers")
     assert faults < 4096, faults  # one 16 MB buffer is 4096 pages: without the reuse, 10 of them fault in
@@ -113,3 +113,23 @@ def test_without_dask_the_error_names_the_extra(tmp_path, source_h5):
     assert "dctchop[dask]" in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o.zarr").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["in.h5"]
+
+
+def test_local_dask_schedulers_run_the_workers_asked_for(tmp_path, source_h5, monkeypatch):
+    # --workers was ignored with --scheduler threads|processes: the pool always had one worker per core
+    import threading
+
+    from dctchop import store
+
+    names = set()
+    task = store.encode_chunks_task
+
+    def recording(*args):
+        names.add(threading.current_thread().name)
+        return task(*args)
+
+    monkeypatch.setattr(store, "DASK_TASK_BYTES", 1)  # a task per chunk: 7 tasks
+    monkeypatch.setattr(store, "encode_chunks_task", recording)
+    compress(open_source(str(source_h5)), tmp_path / "o.zarr", CompressOptions(chunk_samples=8, scheduler="threads",
+                                                                              workers=1))
+    assert names == {"dctchop-dask_0"}
