@@ -63,6 +63,9 @@ def infer_axes(shape: tuple[int, ...], dtype) -> tuple[tuple[int, ...], str]:
             return (1, 2, 3), "NZYXC"
         if small(shape[1]):
             return (2, 3, 4), "NCZYX"
+    if ndim == 0:
+        raise DctchopError("a 0-d array (a single value) has no axis to transform; a store needs an array it can "
+                           "compress (an HDF5 file's scalars are copied beside it, with --lossless if named)")
     raise DctchopError(f"cannot infer which axes to transform for shape {list(shape)}; pass --axes")
 
 

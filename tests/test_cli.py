@@ -1373,3 +1373,11 @@ def test_compress_input_path_containing_nan(data, tmp_path):
     p = run("compress", src, out, "--keep", "4", "--quiet")
     assert p.returncode == 0, p.stderr
     assert info_of(out)["source"]["path"] == str(src)
+
+
+def test_a_0d_npy_is_refused_without_a_hint_that_leads_nowhere(tmp_path):
+    # said "pass --axes", and --axes 0 then said axis 0 is out of range
+    src = tmp_path / "z.npy"
+    np.save(src, np.float32(3.5))
+    user_error(run("compress", src, tmp_path / "z.zarr"), "0-d array", "no axis to transform")
+    assert not (tmp_path / "z.zarr").exists()
