@@ -446,6 +446,9 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
     h5py = _h5py()
     lossy_names = _dedupe(datasets)
     lossless_names = _dedupe(lossless)
+    both = [n for n in lossy_names if n in lossless_names]
+    if both:
+        raise DctchopError(f"{file}: {', '.join(both)} named both lossy (--dataset) and --lossless")
     close_all(file)  # a rewritten file must not be read through an old handle
     f = _open_file(file)
     try:
@@ -468,12 +471,6 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
 
         forced = [(n, named(n, lossy=False)) for n in lossless_names]
         chosen = [(n, named(n, lossy=True)) for n in lossy_names]
-        # by object, not by name: a link or a second hard link is another name for the same dataset
-        copied_as = {ds.id: n for n, ds in forced}
-        both = [n if n == copied_as[ds.id] else f"{n} (also named {copied_as[ds.id]})" for n, ds in chosen
-                if ds.id in copied_as]
-        if both:
-            raise DctchopError(f"{file}: {', '.join(both)} named both lossy (--dataset) and --lossless")
         # named with --dataset: the named ones are the lossy ones; what cannot be stored is left out
         left_out = [path for path, _ in walk.problems] if chosen else []
         if walk.problems and not chosen:

@@ -729,16 +729,3 @@ def test_read_in_spawned_process(h5file):
         out = pool.apply(SourceArray.read, (x, 1, 4))
     np.testing.assert_array_equal(out, x.read(1, 4))
     assert out.dtype.isnative
-
-
-def test_one_dataset_named_lossy_and_lossless_through_two_names_is_refused(tmp_path):
-    # compared by name, a hard link named with --dataset and a soft link with --lossless stored it twice
-    path = tmp_path / "links.h5"
-    with h5py.File(path, "w") as f:
-        f["g1/images"] = np.zeros((20, 16, 16), np.uint8)
-        f["g2/hard_images"] = f["g1/images"]
-        f["soft_images"] = h5py.SoftLink("/g1/images")
-    with pytest.raises(DctchopError, match=r"/g2/hard_images \(also named /soft_images\) named both lossy"):
-        open_source(str(path), datasets=["g2/hard_images"], lossless=["soft_images"])
-    with pytest.raises(DctchopError, match=r"/g1/images named both lossy"):
-        open_source(str(path), datasets=["g1/images"], lossless=["/g1/images"])
