@@ -36,7 +36,7 @@ from dctchop.codec import ChunkDecoder, DctChopCodec, StoredChunk, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError, first_line
 from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
-from dctchop.store import META_GROUP, LosslessCopy, chunk_file, every_chunk_written, unframe
+from dctchop.store import LosslessCopy, chunk_file, chunk_metadata, every_chunk_written, unframe
 from dctchop.transform import channels_first_axes, resolve_threads
 
 __all__ = ["ArrayView", "Dataset", "open"]
@@ -161,7 +161,7 @@ def _recorded_sizes(group: zarr.Group, name: str) -> np.ndarray | None:
     """Each chunk file's size as written (``stored_bytes``), in chunk order; None when that table is missing
     or damaged (``dctchop inspect`` reports it; reading the samples does not need it)."""
     try:
-        return np.asarray(group[f"{META_GROUP}/{name}/stored_bytes"][...]).reshape(-1)
+        return chunk_metadata(group, name, "stored_bytes")
     except (KeyError, ValueError, OSError):
         return None
 

@@ -13,13 +13,13 @@ from dctchop.formats import open_source
 from dctchop.location import Location
 from dctchop.store import (
     META_FIELDS,
-    META_GROUP,
     ZSTD_LEVEL,
     LosslessCopy,
     _chunk_metrics,
     _chunk_ranges,
     array_bytes,
     array_problems,
+    chunk_metadata,
     group_problems,
     lossless_problems,
 )
@@ -82,8 +82,7 @@ def _damaged_record(info: dict) -> str | None:
 
 def chunk_table(group: zarr.Group, name: str) -> dict[str, np.ndarray]:
     """Per-chunk metadata of one array, flattened in chunk order."""
-    meta = group[f"{META_GROUP}/{name}"]
-    return {key: np.asarray(meta[key][...]).reshape(-1) for key in META_FIELDS}
+    return {key: chunk_metadata(group, name, key) for key in META_FIELDS}
 
 
 def _chunk_table_unless_damaged(group: zarr.Group, name: str, problems: list[dict]) -> dict | None:

@@ -49,6 +49,7 @@ from dctchop.dataset import Dataset
 from dctchop.errors import DctchopError
 from dctchop.jit import numba
 from dctchop.layout import infer_axes
+from dctchop.store import stored_as_bytes
 from dctchop.transform import channels_first_axes, channels_first_shape, resolve_threads
 
 __all__ = ["Loader", "epoch_order", "share_size"]
@@ -522,7 +523,7 @@ class Loader:
         (compressed arrays are always numbers)."""
         for name in self.names:
             stored = self.dataset.array(name).dtype
-            if stored.kind not in "biufc" or stored.itemsize > (16 if stored.kind == "c" else 8):
+            if stored.kind not in "biufc" or stored_as_bytes(stored):
                 others = [n for n in self.names if n != name]
                 hint = f"arrays={others!r} to leave it out" if others else "arrays= to yield others"
                 raise DctchopError(f"array {name} holds {stored} values, which torch tensors cannot hold; "

@@ -507,12 +507,17 @@ def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
             metadata_whole = False
             problems.append({"chunk": i, "problem": f"per-chunk metadata missing or damaged: {', '.join(missing)}"})
     if metadata_whole:
-        recorded = np.asarray(group[f"{META_GROUP}/{name}/stored_bytes"][...]).reshape(-1)
+        recorded = chunk_metadata(group, name, "stored_bytes")
         problems += [{"chunk": i, "problem": f"its file holds {size} bytes, its metadata records {recorded[i]}: "
                       "rewritten since (by a Zarr write?), so its recorded PSNR and error do not describe it"}
                      for i, size in on_disk.items() if size != recorded[i]]
         problems.sort(key=lambda p: (p["chunk"] is not None, p["chunk"] or 0))
     return problems
+
+
+def chunk_metadata(group: zarr.Group, name: str, key: str) -> np.ndarray:
+    """The per-chunk metadata ``key`` (one of META_FIELDS) of lossy array ``name``, in chunk order."""
+    return np.asarray(group[f"{META_GROUP}/{name}/{key}"][...]).reshape(-1)
 
 
 def node_kind(root: Location, path: str) -> tuple[str | None, str | None]:
