@@ -210,22 +210,22 @@ def to_planes(q: np.ndarray, seg_starts: np.ndarray) -> bytes:
 
 @numba.njit(nogil=True, cache=True)
 def _unpack_dequantize(planes, offsets, run_starts, masks, n_bytes, first, seg_starts, seg_bands, steps,
-                       out):  # pragma: no cover - compiled
-    """``out[seg_starts[s] + i] = value * step`` for a piece of every run ``s``: the int values are never
+                       out, to):  # pragma: no cover - compiled
+    """``out[to[s] + i] = value * step`` for a piece of every run ``s``: the int values are never
     stored. The piece holds the values from storage position ``first[s]`` of the chunk's run ``s``, which starts
     at ``run_starts[s]`` (8 values to a group) and whose planes start at ``offsets[s]``; a piece starting inside
     a group decodes the whole group and skips the values before it."""
     set_planes = np.empty((2, 8), dtype=np.int64)
     lo_words, hi_words, signed, lo_bytes, hi_bytes = _run_buffers(seg_starts)
     for s in range(seg_bands.size):
-        start, n = seg_starts[s], seg_starts[s + 1] - seg_starts[s]
+        n = seg_starts[s + 1] - seg_starts[s]
         if n == 0:  # a run with no block in the slab
             continue
         groups = (run_starts[s + 1] - run_starts[s] + 7) // 8
         g0, skip = divmod(first[s] - run_starts[s], 8)
         high, _ = _decode_run(planes, offsets[s], groups, g0, (skip + n + 7) // 8, masks[s], n_bytes, set_planes,
                               lo_words, hi_words)
-        step, dst = steps[seg_bands[s]], out[start : start + n]
+        step, dst = steps[seg_bands[s]], out[to[s] : to[s] + n]
         for i in range(n):
             dst[i] = _run_value(high, signed, lo_bytes, hi_bytes, skip + i) * step
 
@@ -252,10 +252,10 @@ class Planes:
         top = np.floor(np.log2(np.maximum(self.masks, 1).astype(np.float64)))
         return np.where(self.masks > 0, np.exp2(top), 0.0)
 
-    def dequantize_into(self, steps, first, seg_starts, seg_bands, out) -> None:
+    def dequantize_into(self, steps, first, seg_starts, seg_bands, out, to) -> None:
         """:func:`dctchop.quantize.dequantize_into` straight from the planes."""
         _unpack_dequantize(self.data, self.offsets, self.seg_starts, self.masks, self.itemsize, first, seg_starts,
-                           seg_bands, steps, out)
+                           seg_bands, steps, out, to)
 
 
 _BITS_SET = np.array([b.bit_count() for b in range(256)], dtype=np.int64)  # set bits of each byte value

@@ -507,8 +507,8 @@ SLAB_VALUES = 1 << 18
 def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarray | None = None,
                   channels_first: bool = False, offset: float = 0.0, parts: list[Slab] | None = None) -> np.ndarray:
     """Coefficients -> data one slab (:func:`dctchop.transform.slabs`) at a time, slabs shared among threads:
-    a slab's values stay in cache from ``fill(first, seg_starts, seg_bands, values)`` (dequantized, storage
-    order) through :func:`dctchop.transform.place` and the inverse passes, where the whole chunk's coefficients
+    a slab's values stay in cache from ``fill(first, seg_starts, seg_bands, values, to)`` (dequantized, run ``s``
+    to ``values[to[s]:]``) through :func:`dctchop.transform.place` and the inverse passes, where the whole chunk's coefficients
     would stream through memory once per step. Slabs that allow it skip the placement and decode band-major
     (:func:`dctchop.transform.band_major`; single-threaded slabs only). ``channels_first``: see
     :func:`dctchop.transform.inverse`. A chunk's ``offset`` is added to each slab's output (in its dtype)
@@ -527,19 +527,22 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
         for part in part_list:
             p = part.plan
             bands = band_major(p, dtype, channels_first) if inner_threads == 1 else None
-            if p.shape not in buffers:  # positions the mask drops stay zero; the others are all written
+            if p.shape not in buffers:  # positions the mask drops stay zero in the image; the others are all written
                 full = p.n_values == math.prod(p.coefficient_shape)
                 image = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
-                n = p.n_values if bands is None else bands.n_values  # a triangle mask's decode as a square one
-                result = np.empty(n, dtype) if bands is not None else None
-                scratch = image.reshape(-1) if full else np.empty(n, work_dtype(dtype))  # the image keeps its zeros
+                n = p.n_values if bands is None else bands.n_values  # padded; a triangle mask's as a square one's
+                result, scratch = (np.empty(n, dtype), np.empty(n, work_dtype(dtype))) if bands is not None else (None,
+                                                                                                                None)
                 buffers[p.shape] = np.empty(n, work_dtype(dtype)), image, result, scratch
             values, image, result, scratch = buffers[p.shape]
-            fill(part.first, part.seg_starts, seg_bands, values)
             target = out[part.region(channels_first)]
             if bands is not None and target.flags.c_contiguous:
+                if bands.zeroed:
+                    values[:] = 0
+                fill(part.first, part.seg_starts, seg_bands, values, bands.run_places(p, part.seg_starts))
                 inverse_band_major(values, scratch, result, bands, target)
             else:
+                fill(part.first, part.seg_starts, seg_bands, values, part.seg_starts)
                 place(values, p, image.reshape(-1))
                 if target.flags.c_contiguous:
                     inverse(image, p, dtype, inner_threads, out=target, channels_first=channels_first)

@@ -154,11 +154,11 @@ def _int_error(values, seg_starts, seg_bands, steps, qmax, offsets, out):  # pra
 
 
 @numba.njit(nogil=True, cache=True)
-def _dequantize(stored, first, seg_starts, seg_bands, steps, out):  # pragma: no cover - compiled
+def _dequantize(stored, first, seg_starts, seg_bands, steps, out, to):  # pragma: no cover - compiled
     for s in range(seg_bands.size):
         n = seg_starts[s + 1] - seg_starts[s]
         step = steps[seg_bands[s]]
-        src, dst = stored[first[s] : first[s] + n], out[seg_starts[s] : seg_starts[s] + n]
+        src, dst = stored[first[s] : first[s] + n], out[to[s] : to[s] + n]
         for i in range(n):
             dst[i] = src[i] * step
 
@@ -263,11 +263,13 @@ def numeric(stored: np.ndarray, precision: str) -> np.ndarray:
     return stored
 
 
-def dequantize_into(stored: np.ndarray, steps: np.ndarray, first, seg_starts, seg_bands, out: np.ndarray) -> None:
-    """``out = dequantize(pieces of stored)`` in storage order (a slab's values, before
-    :func:`dctchop.transform.place` puts them in its coefficient image): run ``s`` takes ``stored[first[s]:]``,
-    as many values as ``seg_starts`` gives it, to ``out[seg_starts[s]:]``. ``stored`` from :func:`numeric`."""
-    _dequantize(stored, first, seg_starts, seg_bands, steps, out)
+def dequantize_into(stored: np.ndarray, steps: np.ndarray, first, seg_starts, seg_bands, out: np.ndarray,
+                    to: np.ndarray) -> None:
+    """``out = dequantize(pieces of stored)`` (a slab's values): run ``s`` takes ``stored[first[s]:]``, as many
+    values as ``seg_starts`` gives it, to ``out[to[s]:]`` (``to = seg_starts``: storage order, as
+    :func:`dctchop.transform.place` takes them; :attr:`dctchop.transform.BandMajor.to`: band-major).
+    ``stored`` from :func:`numeric`."""
+    _dequantize(stored, first, seg_starts, seg_bands, steps, out, to)
 
 
 def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:

@@ -1300,54 +1300,21 @@ def _inverse_colour8_bands(src, dst, colour, mat, lo, hi, is_int):  # pragma: no
 
 
 @numba.njit(inline="always")
-def _pairs(src, over_first, b0, t, mat, j, pair, zero):  # pragma: no cover - compiled
-    """Output rows ``j`` and ``7 - j`` of an 8-point pass with 8 kept rows (``mat``) over the first
-    (``over_first``) or the second axis of band-major ``src`` (``(8, rows, blocks)`` or ``(rows, 8, blocks)``),
-    for every row of the other axis and blocks ``b0 .. b0 + t``: into ``pair[0]`` and ``pair[1]`` (``(2, rows,
-    >= t)``), with the sums of :func:`_inverse_3d`. The eight input rows are taken one by one: as the rows of a
-    strided view they would not be known to be contiguous, and 32x32 RGB would decode 1.7x slower."""
+def _pairs(src, b0, t, mat, j, pair, zero):  # pragma: no cover - compiled
+    """Output rows ``j`` and ``7 - j`` of an 8-point pass with 8 kept rows (``mat``) over the second axis of
+    band-major ``src`` (``(rows, 8, blocks)``), for every row of the first axis and blocks ``b0 .. b0 + t``:
+    into ``pair[0]`` and ``pair[1]`` (``(2, rows, >= t)``), with the sums of :func:`_inverse_3d`. The eight input
+    rows are taken one by one: as the rows of a strided view they would not be known to be contiguous, and the
+    kernel would run 1.7x slower."""
     m = _rows8(mat, 0, j)
-    for r in range(src.shape[1] if over_first else src.shape[0]):
-        if over_first:
-            x0, x1, x2, x3 = src[0, r, b0 : b0 + t], src[1, r, b0 : b0 + t], src[2, r, b0 : b0 + t], \
-                src[3, r, b0 : b0 + t]
-            x4, x5, x6, x7 = src[4, r, b0 : b0 + t], src[5, r, b0 : b0 + t], src[6, r, b0 : b0 + t], \
-                src[7, r, b0 : b0 + t]
-        else:
-            x0, x1, x2, x3 = src[r, 0, b0 : b0 + t], src[r, 1, b0 : b0 + t], src[r, 2, b0 : b0 + t], \
-                src[r, 3, b0 : b0 + t]
-            x4, x5, x6, x7 = src[r, 4, b0 : b0 + t], src[r, 5, b0 : b0 + t], src[r, 6, b0 : b0 + t], \
-                src[r, 7, b0 : b0 + t]
+    for r in range(src.shape[0]):
+        x0, x1, x2, x3 = src[r, 0, b0 : b0 + t], src[r, 1, b0 : b0 + t], src[r, 2, b0 : b0 + t], src[r, 3, b0 : b0 + t]
+        x4, x5, x6, x7 = src[r, 4, b0 : b0 + t], src[r, 5, b0 : b0 + t], src[r, 6, b0 : b0 + t], src[r, 7, b0 : b0 + t]
         first, last = pair[0, r], pair[1, r]
         for k in range(t):
             e, od = _even_odd(m, x0[k], x1[k], x2[k], x3[k], x4[k], x5[k], x6[k], x7[k], zero)
             last[k] = e - od
             first[k] = e + od
-
-
-# Blocks of 8 over every axis (8x8 RGB with its colour pass, 8x8 grey, 8x8x8 volumes), keeping every band,
-# decode band-major with all their passes in one kernel, on tiles of blocks: a pass's output for a tile stays
-# in cache for the next, where the passes one by one wrote and read the slab (1 MB) through memory (the pass
-# over H alone: 0.33 ns per value on a 1 MB slab, 0.19 on 192 KB). The first pass's output rows come in pairs
-# (j, 7 - j) from one set of sums; each pair goes through the other passes before the next. The sums are those
-# of the passes run one by one, so the results agree bit for bit.
-@numba.njit(nogil=True, cache=True)
-def _inverse_rows8_colour8_bands(src, dst, mat_h, colour, mat, lo, hi, is_int):  # pragma: no cover - compiled
-    """Band-major ``(8, 8, 3, blocks)`` RGB blocks of 8x8: the pass over H, then the colour + W pass of
-    :func:`_colour8_tile`, on tiles of 4 * TILE blocks (two rows over H of a tile: 48 KB). 32x32 RGB decodes
-    1.14-1.18x faster than with the two passes (tiles of 2 * TILE blocks: 1.07x; 8 * TILE: 1.11x)."""
-    n_blocks = src.shape[3]
-    rows_h = src.reshape(8, 24, n_blocks)
-    zero = np.zeros(1, dtype=mat.dtype)[0]
-    pair = np.empty((2, 24, 4 * TILE), dtype=mat.dtype)
-    planes = np.empty((3, 8, 4 * TILE), dtype=mat.dtype)
-    for b0 in range(0, n_blocks, 4 * TILE):
-        t = min(4 * TILE, n_blocks - b0)
-        for j in range(4):
-            _pairs(rows_h, True, b0, t, mat_h, j, pair, zero)  # over H, for each W band and colour
-            _colour8_tile(pair[0].reshape(8, 3, 4 * TILE), 0, dst[j], b0, t, planes, colour, mat, lo, hi, is_int, zero)
-            _colour8_tile(pair[1].reshape(8, 3, 4 * TILE), 0, dst[7 - j], b0, t, planes, colour, mat, lo, hi, is_int,
-                          zero)
 
 
 @numba.njit(inline="always")
@@ -1358,22 +1325,18 @@ def _two_passes_tile(src, b0, t, mat_w, mat_h, pair, dst, col, col_step, d0, lo,
     row ``j`` of the first pass goes to column ``col + col_step * j`` of ``dst`` (:func:`_rows8_tile`), from
     ``d0`` on."""
     for j in range(4):
-        _pairs(src, False, b0, t, mat_w, j, pair, zero)
+        _pairs(src, b0, t, mat_w, j, pair, zero)
         _rows8_tile(pair[0], dst, col + col_step * j, d0, t, mat_h, lo, hi, is_int, zero)
         _rows8_tile(pair[1], dst, col + col_step * (7 - j), d0, t, mat_h, lo, hi, is_int, zero)
 
 
-@numba.njit(nogil=True, cache=True)
-def _inverse_rows8_rows8_bands(src, dst, mat_w, mat_h, lo, hi, is_int):  # pragma: no cover - compiled
-    """Band-major ``(8, 8, blocks)`` blocks of 8x8 (H bands, W bands): the pass over W, then the pass over H, on
-    tiles of 4 * TILE blocks."""
-    zero = np.zeros(1, dtype=mat_h.dtype)[0]
-    pair = np.empty((2, 8, 4 * TILE), dtype=mat_h.dtype)
-    for b0 in range(0, src.shape[2], 4 * TILE):
-        _two_passes_tile(src, b0, min(4 * TILE, src.shape[2] - b0), mat_w, mat_h, pair, dst, 0, 1, b0, lo, hi,
-                         is_int, zero)
-
-
+# Blocks of 8x8x8 keeping every band decode band-major with all their passes in one kernel, on tiles of blocks:
+# a pass's output for a tile stays in cache for the next, where the passes one by one wrote and read the slab
+# (1 MB) through memory (one pass alone: 0.33 ns per value on a 1 MB slab, 0.19 on 192 KB). The first pass's
+# output rows come in pairs (j, 7 - j) from one set of sums; each pair goes through the other passes before the
+# next. The sums are those of the passes run one by one, so the results agree bit for bit. (8x8 grey and RGB
+# blocks have faster kernels of their own in dctchop.inverse8; there a volume's 512 values a block spill too
+# much: 1.1-1.4x slower than this kernel.)
 @numba.njit(nogil=True, cache=True)
 def _inverse_rows8_cubed_bands(src, dst, mat_x, mat_y, mat_z, lo, hi, is_int):  # pragma: no cover - compiled
     """Band-major ``(8, 8, 8, blocks)`` blocks of 8x8x8 (Z, Y, X bands): the passes over X, Y and Z, on tiles of
@@ -1389,7 +1352,7 @@ def _inverse_rows8_cubed_bands(src, dst, mat_x, mat_y, mat_z, lo, hi, is_int):  
     for b0 in range(0, n_blocks, 4 * TILE):
         t = min(4 * TILE, n_blocks - b0)
         for j in range(4):
-            _pairs(by_x, False, b0, t, mat_x, j, pair_x, zero)  # over X, for each Z and Y band
+            _pairs(by_x, b0, t, mat_x, j, pair_x, zero)  # over X, for each Z and Y band
             for s, x in ((0, j), (1, 7 - j)):
                 _two_passes_tile(pair_x[s].reshape(8, 8, 4 * TILE), 0, t, mat_y, mat_z, pair_y, out, x, 8, b0, lo, hi,
                                  is_int, zero)
@@ -1468,21 +1431,31 @@ def _bands_to_rows(bands, image, row_at, offsets, origins):  # pragma: no cover 
 @dataclass(frozen=True)
 class BandMajor:
     """How a slab decodes band-major (see above). ``groups``: per block group (the blocks that share a shape;
-    their runs follow one another) ``(first, n, passes, rows, rest)``: its first storage position, size, passes
-    as ``(kernel, view, arguments, last)``, and how its result goes out (:func:`_group_output`): by 8x8
-    transposes where its blocks' values are whole rows of 8 in the output, eight blocks at a time, else value
-    by value. ``expand``: for a triangle mask, ``(seg_starts, to)``: the stored runs go to ``to[s]`` in the
-    layout of the square mask, whose other bands are zeros (the coefficient image's zeros), and that layout
-    decodes as a square one."""
+    their runs follow one another) ``(first, n, passes, rows, rest)``: its first position in the layout the
+    passes work on, its size there, its passes as ``(kernel, view, arguments, last)``, and how its result goes
+    out (:func:`_group_output`): by 8x8 transposes where its blocks' values are whole rows of 8 in the output,
+    eight blocks at a time, else value by value. ``to``: where each stored run goes in that layout (the
+    groups of :mod:`dctchop.inverse8` have padded rows). ``zeroed``: a triangle mask, whose runs go to their
+    places in the layout of the square mask; its other bands must be zeros (the coefficient image's zeros),
+    and the slab then decodes as a square one."""
 
     groups: tuple = field(repr=False)
-    expand: tuple | None = field(default=None, repr=False)
+    to: np.ndarray = field(repr=False)
+    zeroed: bool = False
 
     @property
     def n_values(self) -> int:
         """Values of the (square) band-major layout the passes work on."""
         first, n, *_ = self.groups[-1]
         return first + n
+
+    def run_places(self, plan: TransformPlan, seg_starts: np.ndarray) -> np.ndarray:
+        """:attr:`to` for the runs of a slab with ``plan`` given as the chunk's runs (a :class:`Slab`'s
+        ``seg_starts``, with an empty run for each run of the chunk that the slab has none of)."""
+        if seg_starts.size - 1 == self.to.size:
+            return self.to
+        own = np.searchsorted(plan.order[1], seg_starts[:-1], side="right") - 1  # the slab's run at that start
+        return self.to[np.clip(own, 0, self.to.size - 1)]
 
 
 def band_major(plan: TransformPlan, dtype, channels_first: bool = False) -> BandMajor | None:
@@ -1501,6 +1474,8 @@ def _axis_block(p: AxisPlan, width: int) -> tuple[np.ndarray, np.ndarray]:
 
 @lru_cache(maxsize=16)
 def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: bool) -> BandMajor | None:
+    from dctchop.inverse8 import LANES, inverse_grey8, inverse_rgb8, padded_stride  # it imports this module
+
     plan = _plan(shape, axes, block, keep, mask)
     dtype = np.dtype(dtype_str)
     if dtype not in (np.uint8, np.float32) or keep != block:
@@ -1512,10 +1487,9 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
         run_at = dict(zip(square_index[square_starts[:-1]].tolist(), range(square_starts.size - 1)))
         runs = np.array([run_at[i] for i in index[seg_starts[:-1]].tolist()])  # by their first value's place
         assert np.array_equal(np.diff(seg_starts), np.diff(square_starts)[runs]), "runs of other lengths"
-        to = square_starts[runs]
-        for a in (seg_starts, to):
-            a.setflags(write=False)
-        return BandMajor(square.groups, (seg_starts, to))
+        to = square.to[runs]
+        to.setflags(write=False)
+        return BandMajor(square.groups, to, zeroed=True)
     wdt = np.dtype(np.float32)
     is_int = dtype == np.uint8  # the last pass rounds and clips to 0 .. 255
     end_lo, end_hi = wdt.type(0), wdt.type(255 if is_int else 0)
@@ -1524,12 +1498,11 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
     run_coords = np.unravel_index(index[seg_starts[:-1]], plan.coefficient_shape)  # each run's first value
     kinds = np.stack([p.width[run_coords[a]] for a, p in zip(axes, plan.axis_plans)], axis=1)  # its block's shape
     bounds = [0, *(np.flatnonzero(np.any(np.diff(kinds, axis=0), axis=1)) + 1), kinds.shape[0]]
-    groups = []
+    groups, to, at = [], np.empty(seg_starts.size - 1, np.int64), 0
     for r0, r1 in itertools.pairwise(bounds):  # a block group's runs: one per band, in C order
         widths = tuple(int(w) for w in kinds[r0])
         assert r1 - r0 == math.prod(widths), "a block group does not store every band"
-        first, n_values = int(seg_starts[r0]), int(seg_starts[r1] - seg_starts[r0])
-        n_blocks = n_values // (r1 - r0)
+        n_blocks = int(seg_starts[r1] - seg_starts[r0]) // (r1 - r0)
         passes = []
         for step, (a, p) in enumerate(order):
             d, last = axes.index(a), step == len(order) - 1
@@ -1546,26 +1519,30 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
                                (colour_mat.astype(wdt), colour_rows, wdt.type(0), wdt.type(0), False), False))
             passes.append((_inverse_3d, (outer, widths[d], inner), (mat.astype(wdt), rows, lo, hi, is_int and last),
                            last))
-        if widths == (8, 8, 3) and [p[0] for p in passes] == [_inverse_3d, _inverse_colour8_bands]:
-            (_, _, (mat_h, *_), _), (_, view, last_args, _) = passes  # H, then colour + W: in one kernel
-            passes = [(_inverse_rows8_colour8_bands, view, (mat_h, *last_args), True)]
-        elif widths == (8, 8) and colour_axis is None:  # W, then H
-            (_, view, (mat_w, *_), _), (_, _, (mat_h, _, *last_args), _) = passes
-            passes = [(_inverse_rows8_rows8_bands, view, (mat_w, mat_h, *last_args), True)]
+        stride = n_blocks
+        rgb8 = widths == (8, 8, 3) and [p[0] for p in passes] == [_inverse_3d, _inverse_colour8_bands]
+        if rgb8 or (widths == (8, 8) and colour_axis is None):  # in one kernel of dctchop.inverse8
+            stride, at = padded_stride(n_blocks), -(-at // LANES) * LANES
+            passes = [(inverse_rgb8 if rgb8 else inverse_grey8, (r1 - r0, stride), (n_blocks,), True)]
         elif widths == (8, 8, 8) and colour_axis is None:  # X, Y, then Z
             (_, _, (mat_x, *_), _), (_, _, (mat_y, *_), _), (_, _, (mat_z, _, *last_args), _) = passes
             passes = [(_inverse_rows8_cubed_bands, (8, 8, 8, n_blocks), (mat_x, mat_y, mat_z, *last_args), True)]
-        groups.append((first, n_values, tuple(passes)))
+        to[r0:r1] = at + stride * np.arange(r1 - r0)
+        groups.append((at, (r1 - r0) * stride, tuple(passes), stride))
+        at += (r1 - r0) * stride
+    to.setflags(write=False)
     to_output = np.arange(math.prod(shape))
     if channels_first:
         to_output = np.moveaxis(to_output.reshape(channels_first_shape(shape)), 1, -1).reshape(-1)
-    return BandMajor(tuple((first, n, passes, *_group_output(to_output[index[first : first + n]], r1 - r0, first))
-                           for (first, n, passes), (r0, r1) in zip(groups, itertools.pairwise(bounds))))
+    return BandMajor(tuple((first, n, passes, *_group_output(to_output[index[seg_starts[r0] : seg_starts[r1]]],
+                                                             r1 - r0, first, stride))
+                           for (first, n, passes, stride), (r0, r1) in zip(groups, itertools.pairwise(bounds))), to)
 
 
-def _group_output(positions: np.ndarray, n_bands: int, first: int) -> tuple[tuple | None, tuple | None]:
+def _group_output(positions: np.ndarray, n_bands: int, first: int, stride: int) -> tuple[tuple | None, tuple | None]:
     """How a block group's result goes out: ``positions`` (each value's place in the output) holds ``n_bands``
-    runs, one per band, of the group's blocks; ``first`` is the group's first position in the result.
+    runs, one per band, of the group's blocks; in the result, the group starts at ``first`` and its bands are
+    ``stride`` apart.
 
     Returns (the tables of :func:`_bands_to_rows` for its blocks in whole eights, None unless each block's
     values in the output are whole rows of 8; the arguments of :func:`_move` for the other blocks, None when
@@ -1581,34 +1558,22 @@ def _group_output(positions: np.ndarray, n_bands: int, first: int) -> tuple[tupl
     n_rows = n_blocks - n_blocks % 8 if whole_rows else 0
     rows = None
     if n_rows:
-        rows = (by_place * n_blocks).astype(np.int64), places[::8].astype(np.int64), origins[:n_rows].astype(np.int64)
+        rows = (by_place * stride).astype(np.int64), places[::8].astype(np.int64), origins[:n_rows].astype(np.int64)
     rest = None
     if n_rows < n_blocks:
         tail = by_band[:, n_rows:]
         p = factor_runs(tail.reshape(-1), np.arange(0, tail.size + 1, tail.shape[1]))
-        rest = (first + n_rows + n_blocks * np.arange(n_bands, dtype=np.int64), p.base, p.group_runs, p.blocks,
+        rest = (first + n_rows + stride * np.arange(n_bands, dtype=np.int64), p.base, p.group_runs, p.blocks,
                 p.block_starts)
     return rows, rest
 
 
-@numba.njit(nogil=True, cache=True)
-def _expand(values, seg_starts, to, out):  # pragma: no cover - compiled
-    """Run ``s`` of ``values`` (at ``seg_starts[s]``) to ``out[to[s]:]``; the rest of ``out`` zero."""
-    out[:] = 0
-    for s in range(seg_starts.size - 1):
-        start, end = seg_starts[s], seg_starts[s + 1]
-        out[to[s] : to[s] + end - start] = values[start:end]
-
-
 def inverse_band_major(values: np.ndarray, scratch: np.ndarray, result: np.ndarray, bm: BandMajor,
                        out: np.ndarray) -> None:
-    """Band-major dequantized ``values`` (the stored ones at its start; overwritten, like ``scratch``, both of
+    """Band-major dequantized ``values`` (each stored run at its ``bm.to``; overwritten, like ``scratch``, both of
     ``bm.n_values``, and ``result``, of that size in the output dtype) -> ``out``, the slab's C-contiguous
     output; each block group goes out as soon as its passes are done, while its result is in cache."""
     out = out.reshape(-1)
-    if bm.expand is not None:  # the passes then run on scratch, with values as their scratch
-        _expand(values, *bm.expand, scratch)
-        values, scratch = scratch, values
     for first, n, passes, rows, rest in bm.groups:
         cur, other = values[first : first + n], scratch[first : first + n]
         for kernel, view, args, last in passes:

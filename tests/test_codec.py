@@ -195,6 +195,7 @@ BAND_MAJOR_CASES = [  # chunks keeping every band decode band-major; True: the f
     ((30, 20, 28, 3), (1, 2, 3), (8, 8, 3), True, True),  # edge blocks, colour as a pass of its own there
     ((24, 32, 32, 3), (1, 2, 3), (16, 16, 3), False, True),  # colour with a pass over W in blocks of 16
     ((20, 24, 24), (1, 2), (8, 8), False, True),  # 9 blocks a sample: slabs of 54 and 63 blocks, 6 and 7 by value
+    ((20, 24, 24, 3), (1, 2, 3), (8, 8, 3), False, True),  # RGB in slabs of 54 and 63 blocks: steps of 16 and a rest
     ((40, 12, 8), (1, 2), (8, 8), False, True),  # one full and one edge block a sample: alike block offsets
 ]
 

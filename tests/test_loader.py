@@ -516,13 +516,13 @@ def test_a_random_read_decodes_a_small_slab_and_reading_on_decodes_the_rest(imag
     inverse = codec_module.inverse_band_major
 
     def counting(*args):
-        calls.append(args[3].n_values)  # the slab's values
+        calls.append(len(args[4]))  # the slab's samples
         return inverse(*args)
 
     monkeypatch.setattr(codec_module, "inverse_band_major", counting)
     view = dctchop.open(image_store)["images"]
     np.testing.assert_array_equal(view[100], decoded[100])
-    assert calls == [10 * 32 * 32 * 3]
+    assert calls == [10]
     calls.clear()
     for i in range(N_IMAGES):
         np.testing.assert_array_equal(view[i], decoded[i])

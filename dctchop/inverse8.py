@@ -1,0 +1,203 @@
+"""The inverse transform of whole blocks of 8 (8x8 grey, 8x8 RGB with its colour DCT), sixteen blocks at a time
+as LLVM vectors: the kernels of the band-major decode of :mod:`dctchop.transform` for those blocks.
+
+Why. numba's loops reach SIMD only through LLVM's loop vectoriser, which must guard every loop with run-time
+checks that its arrays do not overlap (numba cannot say they do not). A loop that computes all eight outputs
+of a pass from its eight inputs reads and writes sixteen arrays: the checks cost more than a short loop's
+work, so the numba kernels compute two outputs per loop over tiles of 256 blocks, read each input four
+times and keep their tiles in L2. Here the code is written as vectors directly (a numba intrinsic that
+emits LLVM IR): one lane per block, sixteen blocks a step, every pass of a block in registers (LLVM spills
+what does not fit to the stack, which stays in L1), and the DCT and colour matrices as constants, which LLVM
+folds into the multiplies instead of holding them in registers.
+
+Exactness. Each output is the same expression as in the numba kernels, in the same order: an 8-point pass
+sums by even and odd bands from ``0.0`` (:func:`dctchop.transform._even_odd`), the colour pass left to right
+(:func:`dctchop.transform._colour8_tile`), integer output rounds half up and clips (:func:`dctchop.transform._store`).
+LLVM only makes exact changes to them (no fast-math flags), so the results are bit for bit those of the
+coefficient image's decode; the tests check it.
+
+Layout. Input ``(bands, stride)`` float32, band ``q`` of block ``b`` at ``[q, b]`` (bands in C order over the
+block's axes), output the same shape, the block's samples in C order instead of its bands; ``n_blocks`` of the
+``stride`` columns are decoded. A row stride that is a multiple of 4 KB would put all of a block's bands in one
+set of the L1 cache (32x32 grey or 64-row float fields: 1.6-2.4x slower), so the caller pads the rows
+(:func:`padded_stride`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from dctchop.jit import numba
+from dctchop.transform import dct_matrix
+
+LANES = 16  # blocks per step: one 512-bit vector of float32 (two 256-bit ones without AVX-512)
+DCT8 = dct_matrix(8).astype(np.float32)  # the matrices of the passes, as the numba kernels get them
+COLOUR3 = dct_matrix(3).astype(np.float32)
+
+
+def padded_stride(n_blocks: int) -> int:
+    """A row stride for ``n_blocks`` float32 blocks: the next one of 16 modulo 32, an odd multiple of 64 bytes,
+    so rows fall on every set of the L1 cache and start on a cache line where the buffer does."""
+    return n_blocks + (16 - n_blocks) % 32
+
+
+def _block_program(builder, vector, dims, passes, load, store):
+    """Emit the inverse of one step of blocks: ``load(flat)`` gives input row ``flat`` (bands in C order over
+    ``dims``), ``store(flat, value)`` takes output row ``flat`` (samples in C order). ``passes``: ``(axis,
+    matrix)`` in the order they run, ``matrix[band, sample]`` float32. Values are computed when an output needs
+    them and stored as soon as they are final, which keeps fewer of them live."""
+    zero = ir.Constant(vector, [0.0] * LANES)
+    constant = lambda x: ir.Constant(vector, [float(x)] * LANES)
+    memo = {}
+
+    def value(stage, index):
+        if (stage, index) in memo:
+            return memo[stage, index]
+        if stage == 0:
+            memo[stage, index] = load(int(np.ravel_multi_index(index, dims)))
+            return memo[stage, index]
+        axis, matrix = passes[stage - 1]
+        at = lambda i: index[:axis] + (i,) + index[axis + 1 :]
+        x = [value(stage - 1, at(v)) for v in range(dims[axis])]
+        if len(x) == 8:  # even and odd bands summed apart; sample j is e + o, its mirror 7 - j is e - o
+            for j in range(4):
+                m = [constant(matrix[v, j]) for v in range(8)]
+                e, o = zero, zero
+                for v in range(0, 8, 2):
+                    e = builder.fadd(e, builder.fmul(m[v], x[v]))
+                    o = builder.fadd(o, builder.fmul(m[v + 1], x[v + 1]))
+                memo[stage, at(j)] = builder.fadd(e, o)
+                memo[stage, at(7 - j)] = builder.fsub(e, o)
+        else:  # the 3-long colour DCT, summed left to right
+            for i in range(len(x)):
+                total = builder.fmul(constant(matrix[0, i]), x[0])
+                for v in range(1, len(x)):
+                    total = builder.fadd(total, builder.fmul(constant(matrix[v, i]), x[v]))
+                memo[stage, at(i)] = total
+        return memo[stage, index]
+
+    for flat, index in enumerate(np.ndindex(*dims)):
+        store(flat, value(len(passes), tuple(int(i) for i in index)))
+        del memo[len(passes), tuple(int(i) for i in index)]
+
+
+def _rounded_bytes(builder, module, vector, v):
+    """float32 lanes to uint8 as :func:`dctchop.transform._store` rounds them: half up, clipped to 0 .. 255."""
+    floor = cgutils.get_or_insert_function(module, ir.FunctionType(vector, [vector]), f"llvm.floor.v{LANES}f32")
+    constant = lambda x: ir.Constant(vector, [x] * LANES)
+    down = builder.call(floor, [v])
+    up = builder.fcmp_ordered(">=", builder.fsub(v, down), constant(0.5))
+    down = builder.select(up, builder.fadd(down, constant(1.0)), down)
+    down = builder.select(builder.fcmp_ordered("<", down, constant(0.0)), constant(0.0),
+                          builder.select(builder.fcmp_ordered(">", down, constant(255.0)), constant(255.0), down))
+    return builder.fptoui(down, ir.VectorType(ir.IntType(8), LANES))
+
+
+def _step_function(module, name: str, dims, passes, out_type):
+    """``void name(float* src, i64 src_stride, out* dst, i64 dst_stride)``: one step of blocks, the first one's
+    band ``q`` at ``src[q * src_stride]`` (strides in elements), defined once per LLVM module."""
+    f32, i64 = ir.FloatType(), ir.IntType(64)
+    vector = ir.VectorType(f32, LANES)
+    fn = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), [f32.as_pointer(), i64,
+                                                                               out_type.as_pointer(), i64]), name)
+    if not fn.is_declaration:
+        return fn
+    fn.linkage = "internal"
+    builder = ir.IRBuilder(fn.append_basic_block())
+    src, src_stride, dst, dst_stride = fn.args
+    is_bytes = out_type == ir.IntType(8)
+
+    def rows(data, stride):  # row pointers by repeated adds: cheaper than a multiply each
+        pointers, p = [], data
+        for _ in range(int(np.prod(dims))):
+            pointers.append(p)
+            p = builder.gep(p, [stride])
+        return pointers
+
+    src_rows, dst_rows = rows(src, src_stride), rows(dst, dst_stride)
+
+    def load(flat):
+        return builder.load(builder.bitcast(src_rows[flat], vector.as_pointer()), align=4)
+
+    def store(flat, v):
+        if is_bytes:
+            v = _rounded_bytes(builder, module, vector, v)
+        builder.store(v, builder.bitcast(dst_rows[flat], v.type.as_pointer()), align=1 if is_bytes else 4)
+
+    _block_program(builder, vector, dims, passes, load, store)
+    builder.ret_void()
+    return fn
+
+
+def _copy_columns(builder, n_rows: int, count, source, target) -> None:
+    """``target[r, c0 + k] = source[r, s0 + k]`` for ``r < n_rows``, ``k < count``; ``source`` and ``target`` as
+    ``(pointer, row stride, first column)``, in elements."""
+    (src, src_stride, s0), (dst, dst_stride, d0) = source, target
+    with cgutils.for_range(builder, ir.IntType(64)(n_rows)) as row, cgutils.for_range(builder, count) as k:
+        at = lambda stride, c0: builder.add(builder.mul(row.index, stride), builder.add(c0, k.index))
+        builder.store(builder.load(builder.gep(src, [at(src_stride, s0)])), builder.gep(dst, [at(dst_stride, d0)]))
+
+
+def _blocks_kernel(name: str, dims: tuple[int, ...], passes):
+    """An intrinsic ``kernel(src, dst, n_blocks)`` that decodes blocks ``0 .. n_blocks`` of 2-D ``src`` into
+    ``dst`` (uint8 or float32) with the pass program ``(dims, passes)`` of :func:`_block_program`: whole steps
+    in place, the last few blocks through zero-padded copies on the stack."""
+    n_rows = int(np.prod(dims))
+
+    @intrinsic
+    def kernel(typingctx, src, dst, n_blocks):
+        if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype == types.float32
+                and isinstance(dst, types.Array) and dst.ndim == 2 and dst.dtype in (types.float32, types.uint8)):
+            return None
+        sig = types.void(src, dst, n_blocks)
+
+        def codegen(context, builder, signature, args):
+            src_t, dst_t, n_t = signature.args
+            out_type = context.get_data_type(dst_t.dtype)
+            step = _step_function(builder.module, f"dctchop_inverse8_{name}_{dst_t.dtype}", dims, passes,
+                                  out_type)
+            i64 = ir.IntType(64)
+            src_a = context.make_array(src_t)(context, builder, args[0])
+            dst_a = context.make_array(dst_t)(context, builder, args[1])
+            n = context.cast(builder, args[2], n_t, types.int64)
+            src_stride = builder.sdiv(builder.extract_value(src_a.strides, 0), i64(4))
+            dst_stride = builder.sdiv(builder.extract_value(dst_a.strides, 0), i64(dst_t.dtype.bitwidth // 8))
+            whole = builder.sub(n, builder.srem(n, i64(LANES)))
+            with cgutils.for_range_slice(builder, i64(0), whole, i64(LANES)) as (b, _):
+                builder.call(step, [builder.gep(src_a.data, [b]), src_stride, builder.gep(dst_a.data, [b]),
+                                    dst_stride])
+            rest = builder.sub(n, whole)
+            with builder.if_then(builder.icmp_signed(">", rest, i64(0))):
+                pad_in = cgutils.alloca_once(builder, ir.FloatType(), size=n_rows * LANES)
+                pad_out = cgutils.alloca_once(builder, out_type, size=n_rows * LANES)
+                cgutils.memset(builder, pad_in, i64(4 * n_rows * LANES), 0)
+                _copy_columns(builder, n_rows, rest, (src_a.data, src_stride, whole), (pad_in, i64(LANES), i64(0)))
+                builder.call(step, [pad_in, i64(LANES), pad_out, i64(LANES)])
+                _copy_columns(builder, n_rows, rest, (pad_out, i64(LANES), i64(0)), (dst_a.data, dst_stride, whole))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return kernel
+
+
+# RGB: bands (H, W, colour); the pass over H, then the colour DCT, then the pass over W (the order of the numba
+# kernels). Grey: bands (H, W); the pass over W, then over H.
+_rgb8 = _blocks_kernel("rgb8", (8, 8, 3), ((0, DCT8), (2, COLOUR3), (1, DCT8)))
+_grey8 = _blocks_kernel("grey8", (8, 8), ((1, DCT8), (0, DCT8)))
+
+
+@numba.njit(nogil=True, cache=True)
+def inverse_rgb8(src, dst, n_blocks):  # pragma: no cover - compiled
+    """Blocks of 8x8 RGB pixels, ``(192, stride)`` band-major to ``(192, stride)`` samples (see module docs)."""
+    _rgb8(src, dst, n_blocks)
+
+
+@numba.njit(nogil=True, cache=True)
+def inverse_grey8(src, dst, n_blocks):  # pragma: no cover - compiled
+    """Blocks of 8x8 samples, ``(64, stride)`` band-major to ``(64, stride)`` samples (see module docs)."""
+    _grey8(src, dst, n_blocks)

@@ -1,0 +1,97 @@
+"""The vector kernels of whole blocks of 8 (dctchop.inverse8): scipy's inverse DCT, and bit for bit the numba passes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.fft
+
+from dctchop import transform
+from dctchop.inverse8 import COLOUR3, DCT8, LANES, inverse_grey8, inverse_rgb8, padded_stride
+
+F32 = np.float32
+BLOCK_COUNTS = [1, LANES - 1, LANES, 2 * LANES + 5, 1040]  # a short tail only, whole steps, both; 1040: 4 KB rows
+
+
+def _band_major(n_bands: int, n_blocks: int, seed: int) -> np.ndarray:
+    """Coefficients of ``n_blocks`` smooth-ish blocks, band-major ``(n_bands, n_blocks)``, in padded rows."""
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((n_bands, n_blocks)) * 300 / (1 + np.arange(n_bands)[:, None] / 8)).astype(F32)
+    values[0] += 128 * np.sqrt(n_bands)  # mid-grey blocks with a wide spread: both clips of uint8 output are used
+    padded = np.full((n_bands, padded_stride(n_blocks)), np.nan, F32)  # the padding is never read
+    padded[:, :n_blocks] = values
+    return padded
+
+
+def _run(kernel, src: np.ndarray, n_blocks: int, dtype) -> np.ndarray:
+    dst = np.zeros(src.shape, dtype)
+    kernel(src, dst, n_blocks)
+    assert not np.any(dst[:, n_blocks:]), "wrote past its blocks"
+    return dst[:, :n_blocks]
+
+
+def test_the_constants_are_the_plans_matrices():
+    assert np.array_equal(DCT8, transform.axis_plan(8, 8, 8).matrix.astype(F32))
+    assert np.array_equal(COLOUR3, transform.axis_plan(3, 3, 3).matrix.astype(F32))
+
+
+@pytest.mark.parametrize("n", range(1, 200))
+def test_padded_rows_start_on_lines_and_spread_over_sets(n):
+    stride = padded_stride(n)
+    assert n <= stride < n + 32 and stride % 32 == 16  # 4 bytes a value: an odd multiple of 64 bytes
+
+
+@pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
+def test_rgb8_is_the_inverse_dct_and_colour_dct(n_blocks):
+    src = _band_major(192, n_blocks, n_blocks)
+    out = _run(inverse_rgb8, src, n_blocks, F32)
+    blocks = src[:, :n_blocks].astype(np.float64).reshape(8, 8, 3, n_blocks)
+    expected = scipy.fft.idctn(blocks, axes=(0, 1, 2), norm="ortho").reshape(192, n_blocks)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
+def test_grey8_is_the_inverse_dct(n_blocks):
+    src = _band_major(64, n_blocks, n_blocks)
+    out = _run(inverse_grey8, src, n_blocks, F32)
+    blocks = src[:, :n_blocks].astype(np.float64).reshape(8, 8, n_blocks)
+    expected = scipy.fft.idctn(blocks, axes=(0, 1), norm="ortho").reshape(64, n_blocks)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-3)
+
+
+def _numba_rgb8(src: np.ndarray, n_blocks: int, dtype) -> np.ndarray:
+    """The numba passes the band-major decode ran before: over H, then colour + W."""
+    x = np.ascontiguousarray(src[:, :n_blocks]).reshape(8, 24 * n_blocks)
+    by_h = np.empty_like(x)
+    zero = F32(0)
+    transform._inverse_3d(x.reshape(1, 8, -1), by_h.reshape(1, 8, -1), DCT8, np.array([[0, 8, 0, 8]]), zero, zero,
+                          False)
+    out = np.empty((8, 8, 3, n_blocks), dtype)
+    hi = F32(255 if dtype == np.uint8 else 0)
+    transform._inverse_colour8_bands(by_h.reshape(8, 8, 3, n_blocks), out, COLOUR3, DCT8, zero, hi, dtype == np.uint8)
+    return out.reshape(192, n_blocks)
+
+
+def _numba_grey8(src: np.ndarray, n_blocks: int, dtype) -> np.ndarray:
+    """The numba passes: over W, then over H."""
+    x = np.ascontiguousarray(src[:, :n_blocks]).reshape(8, 8, n_blocks)
+    by_w = np.empty_like(x)
+    zero, rows = F32(0), np.array([[0, 8, 0, 8]])
+    transform._inverse_3d(x, by_w, DCT8, rows, zero, zero, False)
+    out = np.empty((8, 8, n_blocks), dtype)
+    hi = F32(255 if dtype == np.uint8 else 0)
+    transform._inverse_3d(by_w.reshape(1, 8, -1), out.reshape(1, 8, -1), DCT8, rows, zero, hi, dtype == np.uint8)
+    return out.reshape(64, n_blocks)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+@pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
+@pytest.mark.parametrize("kernel, reference, n_bands", [(inverse_rgb8, _numba_rgb8, 192),
+                                                         (inverse_grey8, _numba_grey8, 64)],
+                         ids=["rgb8", "grey8"])
+def test_bit_for_bit_the_numba_passes(kernel, reference, n_bands, n_blocks, dtype):
+    src = _band_major(n_bands, n_blocks, 7 * n_blocks)
+    out, expected = _run(kernel, src, n_blocks, dtype), reference(src, n_blocks, dtype)
+    if dtype == np.uint8 and n_blocks >= LANES:
+        assert 0 < np.mean(expected == 0) < 0.5 and 0 < np.mean(expected == 255) < 0.5  # both clips are used
+    np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))  # float32: -0.0 is not 0.0 here
