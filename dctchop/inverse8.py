@@ -18,9 +18,9 @@ coefficient image's decode; the tests check it.
 
 Layout. Input ``(bands, stride)`` float32, band ``q`` of block ``b`` at ``[q, b]`` (bands in C order over the
 block's axes), output the same shape, the block's samples in C order instead of its bands; ``n_blocks`` of the
-``stride`` columns are decoded. A row stride that is a multiple of 4 KB would put all of a block's bands in one
-set of the L1 cache (32x32 grey or 64-row float fields: 1.6-2.4x slower), so the caller pads the rows
-(:func:`padded_stride`).
+``stride`` columns are decoded. A row stride that is a multiple of 4 KB (a slab of a multiple of 1024 blocks, as
+with 32x32 grey images) would put all of a block's bands in one set of the L1 cache (measured 1.3-1.5x slower
+for RGB, 2.0-2.4x for grey), so the caller pads the rows (:func:`padded_stride`).
 """
 
 from __future__ import annotations
