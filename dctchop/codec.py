@@ -531,8 +531,8 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
                 full = p.n_values == math.prod(p.coefficient_shape)
                 image = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
                 n = p.n_values if bands is None else bands.n_values  # padded; a triangle mask's as a square one's
-                result, scratch = (np.empty(n, dtype), np.empty(n, work_dtype(dtype))) if bands is not None else (None,
-                                                                                                                None)
+                result = np.empty(n, dtype) if bands is not None else None
+                scratch = np.empty(n, work_dtype(dtype)) if bands is not None else None  # the padded layout's size
                 buffers[p.shape] = np.empty(n, work_dtype(dtype)), image, result, scratch
             values, image, result, scratch = buffers[p.shape]
             target = out[part.region(channels_first)]

@@ -45,13 +45,17 @@ def padded_stride(n_blocks: int) -> int:
     return n_blocks + (16 - n_blocks) % 32
 
 
+def _splat(vector, x) -> ir.Constant:
+    """``x`` in every lane of ``vector``."""
+    return ir.Constant(vector, [float(x)] * LANES)
+
+
 def _block_program(builder, vector, dims, passes, load, store):
     """Emit the inverse of one step of blocks: ``load(flat)`` gives input row ``flat`` (bands in C order over
     ``dims``), ``store(flat, value)`` takes output row ``flat`` (samples in C order). ``passes``: ``(axis,
     matrix)`` in the order they run, ``matrix[band, sample]`` float32. Values are computed when an output needs
     them and stored as soon as they are final, which keeps fewer of them live."""
-    zero = ir.Constant(vector, [0.0] * LANES)
-    constant = lambda x: ir.Constant(vector, [float(x)] * LANES)
+    zero = _splat(vector, 0.0)
     memo = {}
 
     def value(stage, index):
@@ -65,7 +69,7 @@ def _block_program(builder, vector, dims, passes, load, store):
         x = [value(stage - 1, at(v)) for v in range(dims[axis])]
         if len(x) == 8:  # even and odd bands summed apart; sample j is e + o, its mirror 7 - j is e - o
             for j in range(4):
-                m = [constant(matrix[v, j]) for v in range(8)]
+                m = [_splat(vector, matrix[v, j]) for v in range(8)]
                 e, o = zero, zero
                 for v in range(0, 8, 2):
                     e = builder.fadd(e, builder.fmul(m[v], x[v]))
@@ -74,26 +78,27 @@ def _block_program(builder, vector, dims, passes, load, store):
                 memo[stage, at(7 - j)] = builder.fsub(e, o)
         else:  # the 3-long colour DCT, summed left to right
             for i in range(len(x)):
-                total = builder.fmul(constant(matrix[0, i]), x[0])
+                total = builder.fmul(_splat(vector, matrix[0, i]), x[0])
                 for v in range(1, len(x)):
-                    total = builder.fadd(total, builder.fmul(constant(matrix[v, i]), x[v]))
+                    total = builder.fadd(total, builder.fmul(_splat(vector, matrix[v, i]), x[v]))
                 memo[stage, at(i)] = total
         return memo[stage, index]
 
     for flat, index in enumerate(np.ndindex(*dims)):
-        store(flat, value(len(passes), tuple(int(i) for i in index)))
-        del memo[len(passes), tuple(int(i) for i in index)]
+        index = tuple(int(i) for i in index)
+        store(flat, value(len(passes), index))
+        del memo[len(passes), index]
 
 
 def _rounded_bytes(builder, module, vector, v):
     """float32 lanes to uint8 as :func:`dctchop.transform._store` rounds them: half up, clipped to 0 .. 255."""
     floor = cgutils.get_or_insert_function(module, ir.FunctionType(vector, [vector]), f"llvm.floor.v{LANES}f32")
-    constant = lambda x: ir.Constant(vector, [x] * LANES)
+    half, one, lo, hi = (_splat(vector, x) for x in (0.5, 1.0, 0.0, 255.0))
     down = builder.call(floor, [v])
-    up = builder.fcmp_ordered(">=", builder.fsub(v, down), constant(0.5))
-    down = builder.select(up, builder.fadd(down, constant(1.0)), down)
-    down = builder.select(builder.fcmp_ordered("<", down, constant(0.0)), constant(0.0),
-                          builder.select(builder.fcmp_ordered(">", down, constant(255.0)), constant(255.0), down))
+    up = builder.fcmp_ordered(">=", builder.fsub(v, down), half)
+    down = builder.select(up, builder.fadd(down, one), down)
+    down = builder.select(builder.fcmp_ordered("<", down, lo), lo,
+                          builder.select(builder.fcmp_ordered(">", down, hi), hi, down))
     return builder.fptoui(down, ir.VectorType(ir.IntType(8), LANES))
 
 
