@@ -9,7 +9,8 @@ VENV312 := .venv312
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e ".[test,torch,dask,plot]"
+	# triton: its interpreter runs the CUDA decode kernels on the CPU in the tests (CUDA torch builds ship it)
+	$(VENV)/bin/python -m pip install -q -e ".[test,torch,dask,plot]" "triton==3.9.0"
 	touch $@
 
 $(VENV312)/.installed: pyproject.toml

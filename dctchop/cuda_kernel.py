@@ -1,4 +1,4 @@
-"""The Triton kernel of :mod:`dctchop.cuda_decode` (imported only there, when a CUDA device decodes).
+"""The Triton kernels of :mod:`dctchop.cuda_decode` (imported only there, when a CUDA device decodes).
 
 Kept apart so that the tables and their tests need no Triton: CPU-only torch builds do not ship it.
 """
@@ -8,34 +8,100 @@ import triton.language as tl
 
 
 @triton.jit
-def decode_group(stored, steps, rows, step_index, first_rows, rest_basis, sample_off, block_off, out,
-                 n_values, n_steps, chunk_size, start, n_blocks, n_first_bands, first_width, rows_pad, rest_pad,
-                 lo, hi, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                 ROUND: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr):
-    """Decode one block group of a batch of chunks: program (block tile, rest tile, chunk)."""
+def _dot(a, b, b_lo, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc + a @ b``. With ``SPLIT``, three TF32 products with ``b`` already split on the host into TF32
+    ``b`` and the float32 rest ``b_lo`` (Triton's tf32x3 splits both operands in every program): ``a`` is cut
+    exactly into its top 11 significant bits and the rest, and only the rest times ``b_lo`` (2**-22 relative)
+    is left out, as in tf32x3."""
+    if SPLIT:
+        a_hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        a_lo = a - a_hi
+        acc = tl.dot(a_lo, b, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+        return tl.dot(a_hi, b, acc, input_precision="tf32")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def decode_first_last(stored, steps, rows, step_index, first_rows, basis_hi, basis_lo, sample_off, block_off, out,
+                      n_values, n_steps, chunk_size, start, n_blocks, n_first_bands, rows_pad, rest_pad,
+                      lo, hi, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, FW: tl.constexpr,
+                      ROUND: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """Decode one block group, program (block tile, rest tile, chunk), reading every stored value once: for each
+    kept band ``z`` of the first axis, ``t = values(z) @ rest basis`` on tensor cores, then every output position
+    ``f`` along the first axis gains ``C[z, f] * t``, in ``FW`` accumulators (``FW == 1``: no first axis)."""
+    n = tl.program_id(2).to(tl.int64)
+    r = tl.program_id(1) * BR + tl.arange(0, BR)
+    b = tl.program_id(0) * BN + tl.arange(0, BN)
+    f = tl.arange(0, FW)
+    in_group = b < n_blocks
+    values = stored + n * n_values + start
+    step_row = steps + n * n_steps
+    if FW == 1:
+        res = tl.zeros((BN, BR), dtype=tl.float32)
+    else:
+        res = tl.zeros((FW, BN, BR), dtype=tl.float32)
+    for z in range(n_first_bands):
+        t = tl.zeros((BN, BR), dtype=tl.float32)
+        for k0 in range(0, rows_pad, BK):  # a tile of rest-of-block bands
+            k = k0 + tl.arange(0, BK)
+            row = tl.load(rows + z * rows_pad + k)  # row of the group's (bands, blocks) matrix; -1: not kept
+            scale = tl.load(step_row + tl.load(step_index + z * rows_pad + k))
+            v = tl.load(values + row.to(tl.int64)[None, :] * n_blocks + b[:, None],
+                        mask=in_group[:, None] & (row >= 0)[None, :], other=0)
+            basis = tl.load(basis_hi + k[:, None] * rest_pad + r[None, :])
+            rest = tl.load(basis_lo + k[:, None] * rest_pad + r[None, :]) if SPLIT else basis
+            t = _dot(v.to(tl.float32) * scale[None, :], basis, rest, t, SPLIT, PRECISION)
+        if FW == 1:
+            res += t
+        else:
+            res += tl.load(first_rows + z * FW + f)[:, None, None] * t[None, :, :]
+    if ROUND:
+        res = tl.minimum(tl.maximum(tl.floor(res + 0.5), lo), hi)
+    if HALF:  # clipped first, as on the host: ringing near the limit is not inf
+        res = tl.minimum(tl.maximum(res, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+    there = tl.load(block_off + b, mask=in_group, other=0)
+    if FW == 1:
+        where = tl.load(sample_off + r)  # -1 pads
+        tl.store(out + n * chunk_size + (there[:, None] + where[None, :]), res,
+                 mask=in_group[:, None] & (where >= 0)[None, :])
+    else:
+        where = tl.load(sample_off + f[:, None] * rest_pad + r[None, :])
+        tl.store(out + n * chunk_size + (there[None, :, None] + where[:, None, :]), res,
+                 mask=in_group[None, :, None] & (where >= 0)[:, None, :])
+
+
+@triton.jit
+def decode_first_inside(stored, steps, rows, step_index, first_rows, basis, sample_off, block_off, out,
+                        n_values, n_steps, chunk_size, start, n_blocks, n_first_bands, first_width, rows_pad,
+                        rest_pad, lo, hi, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, FW: tl.constexpr,
+                        ROUND: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr):
+    """Decode one block group, program (block tile, rest tile, chunk), one output position ``zp`` along the first
+    axis at a time: ``(sum_z C[z, zp] * values(z)) @ rest basis``, so only one accumulator is live, and the
+    (cached) values are loaded once per ``zp``."""
     n = tl.program_id(2).to(tl.int64)
     r = tl.program_id(1) * BR + tl.arange(0, BR)
     b = tl.program_id(0) * BN + tl.arange(0, BN)
     in_group = b < n_blocks
     values = stored + n * n_values + start
     there = tl.load(block_off + b, mask=in_group, other=0)
-    for zp in range(first_width):  # each output position along the first axis
+    for zp in range(first_width):
         res = tl.zeros((BN, BR), dtype=tl.float32)
-        for k0 in range(0, rows_pad, BK):  # a tile of rest-of-block bands
+        for k0 in range(0, rows_pad, BK):
             k = k0 + tl.arange(0, BK)
             spread = tl.zeros((BN, BK), dtype=tl.float32)
             for z in range(n_first_bands):  # every kept band of the first axis, weighted by its DCT row
-                row = tl.load(rows + z * rows_pad + k)  # row of the group's (bands, blocks) matrix; -1: not kept
+                row = tl.load(rows + z * rows_pad + k)
                 scale = tl.load(steps + n * n_steps + tl.load(step_index + z * rows_pad + k))
-                scale *= tl.load(first_rows + z * first_width + zp)
+                scale *= tl.load(first_rows + z * FW + zp)
                 v = tl.load(values + row.to(tl.int64)[None, :] * n_blocks + b[:, None],
                             mask=in_group[:, None] & (row >= 0)[None, :], other=0)
                 spread += v.to(tl.float32) * scale[None, :]
-            basis = tl.load(rest_basis + k[:, None] * rest_pad + r[None, :])
-            res = tl.dot(spread, basis, res, input_precision=PRECISION)
+            res = tl.dot(spread, tl.load(basis + k[:, None] * rest_pad + r[None, :]), res, input_precision=PRECISION)
         if ROUND:
             res = tl.minimum(tl.maximum(tl.floor(res + 0.5), lo), hi)
-        if HALF:  # clipped first, as on the host: ringing near the limit is not inf
+        if HALF:
             res = tl.minimum(tl.maximum(res, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
         where = tl.load(sample_off + zp * rest_pad + r)  # -1 pads
         tl.store(out + n * chunk_size + (there[:, None] + where[None, :]), res,

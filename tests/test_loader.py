@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import itertools
 import math
+import os
 import pickle
 import re
 import runpy
@@ -933,6 +934,9 @@ def _emulate_fused_kernel(groups, stored: np.ndarray, steps: np.ndarray, size: i
     out, written = np.zeros(size), np.zeros(size, np.int64)
     for g in groups:
         rows, step_index, first = g.rows.numpy(), g.step_index.numpy(), g.first_rows.numpy()
+        basis_hi, basis_lo = g.basis_hi.numpy(), g.basis_lo.numpy()
+        assert np.array_equal(basis_hi + basis_lo, g.basis.numpy())  # the split is exact
+        assert np.all(basis_hi.view(np.int32) & 8191 == 0)  # and its first part is a TF32 value
         blocks = np.arange(g.n_blocks)
         for zp in range(g.first_width):
             spread = np.zeros((g.n_blocks, g.rows_pad))
@@ -940,11 +944,12 @@ def _emulate_fused_kernel(groups, stored: np.ndarray, steps: np.ndarray, size: i
                 kept = rows[z] >= 0
                 values = stored[g.start + rows[z][kept][:, None] * g.n_blocks + blocks]
                 spread[:, kept] += (values * (steps[step_index[z][kept]] * first[z, zp])[:, None]).T
-            res = spread @ g.rest_basis.numpy()
+            res = spread @ g.basis.numpy()
             where = g.sample_off.numpy()[zp]
             at = g.block_off.numpy()[:, None] + where[where >= 0]
             out[at] = res[:, where >= 0]
             np.add.at(written, at, 1)
+        assert np.all(g.sample_off.numpy()[g.first_width:] == -1)
     assert np.all(written == 1)
     return out
 
@@ -968,6 +973,44 @@ def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
     elif ref.dtype == np.float16:
         got = np.clip(got, -65504.0, 65504.0).astype(np.float16)
     _assert_decodes_alike(got.astype(np.float32), ref)
+
+
+def _check_interpreted_kernels(precision: str) -> None:
+    """Run in a process where TRITON_INTERPRET=1 was set before Triton loaded (the interpreter needs it then)."""
+    from dctchop.cuda_decode import decode_groups, fused_group
+    from dctchop.torch_decode import DeviceDecoder, block_groups, stage
+
+    torch.set_float32_matmul_precision(precision)
+    kinds = set()
+    for name, data in _chunks_to_check():
+        header = read_header(data)
+        coded = read_stored(data, header.shape, header.dtype)
+        decoder = DeviceDecoder(coded.plan, coded.dtype, torch.device("cpu"))
+        if decoder.work != torch.float32:
+            continue  # float64 data decodes in float64, on the matmul path
+        groups = [fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)]
+        kinds |= {(g.first_width, g.first_last) for g in groups}
+        stored, steps, last = decoder.upload([stage(coded, "cpu")] * 2)
+        got = decode_groups(groups, stored, steps, coded.plan.shape, decoder._clip, coded.dtype == np.float16)
+        if last is not None:
+            got.add_(last[0]).mul_(last[1])
+        ref = decode_chunk(data, header.shape, header.dtype)
+        _assert_decodes_alike(got[1].numpy().astype(ref.dtype), ref)
+    assert {(1, True), (3, True), (4, True), (8, False)} <= kinds, kinds
+
+
+@needs_torch
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_fused_kernels_run_by_the_triton_interpreter_equal_the_numba_path(precision, tmp_path):
+    """The Triton kernels themselves, run on the CPU by Triton's interpreter (where Triton is installed), on
+    every chunk above: table indexing, masks, both kernels (no first axis; the colour axis, an 8x8x4 block's
+    narrow axis or an 8³ block's first axis first), rounding, clipping, and the TF32 split (``highest``)."""
+    pytest.importorskip("triton")
+    code = (f"import importlib.util as u; s = u.spec_from_file_location('checks', {__file__!r}); "
+            f"m = u.module_from_spec(s); s.loader.exec_module(m); m._check_interpreted_kernels({precision!r})")
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @needs_torch
