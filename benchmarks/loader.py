@@ -17,9 +17,9 @@ epoch) and the same output (contiguous float32 batches, channels-first and norma
   and payload checks, and with torch the copy into pinned memory) for every chunk, on 1 and 2 threads: the
   ceiling of the loader with a GPU;
 * with CUDA: the loader with ``device="cuda"`` (only coefficients cross; the inverse runs there), and the
-  device decoder alone on coefficients already on the GPU (``decoder`` rows): the fused Triton kernel at
-  torch's default float32 precision and with TF32 allowed, and the matmul path; the matmul decoder on CPU
-  torch is always shown for reference.
+  device decoder alone on coefficients already on the GPU (``decoder`` rows, for each store above): the
+  fused Triton kernels at torch's default float32 precision and with TF32 allowed, and the matmul path; the
+  matmul decoder on CPU torch is always shown for reference.
 
 Data: the bundled 32x32 RGB sample tiled to ``--images`` images (uint8 NHWC), and ``--fields`` float32
 (32, 32, 32) volumes cut from the bundled 64³ field at shifted offsets. Epochs of 64 and 16 batches by
@@ -329,10 +329,12 @@ def bench_kind(kind: str, d: dict, args, torch, cuda: bool) -> list[dict]:
             run = loader_run(d["store"], args.batch_size, threads, {**kw, "device": "cuda"})
             seconds, nbytes, cpu, _ = round_robin([run], args.repeats)[0]
             add("dctchop device=cuda", threads, seconds, nbytes, cpu, d["ratio"], d["psnr"])
-        for label, fused, precision in (("fused kernel", True, "highest"), ("fused kernel, TF32", True, "high"),
-                                        ("matmul path", False, "highest")):
-            rows.append({"data": kind, "path": f"decoder on cuda, {label} (coefficients resident)", "threads": "-",
-                         "gbs_out": decoder_rate(d["store"], "cuda", 4e9, args.repeats, fused, precision)})
+        stores = {"": d["store"]} | {f", {label}": v["store"] for label, v in d.get("variants", {}).items()}
+        for store_label, store in stores.items():
+            for label, fused, precision in (("fused kernel", True, "highest"), ("fused kernel, TF32", True, "high"),
+                                            ("matmul path", False, "highest")):
+                rows.append({"data": kind, "path": f"decoder on cuda{store_label}: {label} (coefficients resident)",
+                             "threads": "-", "gbs_out": decoder_rate(store, "cuda", 4e9, args.repeats, fused, precision)})
     if torch is not None:
         rows.append({"data": kind, "path": "decoder on cpu torch (reference)", "threads": torch.get_num_threads(),
                      "gbs_out": decoder_rate(d["store"], "cpu", 2e8, 2)})
