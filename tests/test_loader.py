@@ -1005,7 +1005,11 @@ def test_fused_kernels_run_by_the_triton_interpreter_equal_the_numba_path(precis
     """The Triton kernels themselves, run on the CPU by Triton's interpreter (where Triton is installed), on
     every chunk above: table indexing, masks, both kernels (no first axis; the colour axis, an 8x8x4 block's
     narrow axis or an 8³ block's first axis first), rounding, clipping, and the TF32 split (``highest``)."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    from packaging.version import Version
+
+    if Version(triton.__version__) < Version("3.9") and Version(np.__version__) >= Version("2.4"):
+        pytest.skip("Triton's interpreter before 3.9 fails with numpy 2.4 or later (triton-lang/triton#9171)")
     code = (f"import importlib.util as u; s = u.spec_from_file_location('checks', {__file__!r}); "
             f"m = u.module_from_spec(s); s.loader.exec_module(m); m._check_interpreted_kernels({precision!r})")
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
