@@ -18,11 +18,11 @@ rest positions; integer dtypes are rounded and clipped (``floor(v + 0.5)``, like
 H100 at torch's default precision, ``benchmarks/loader.py``; the other kernel's figure in brackets):
 
 * :func:`~dctchop.cuda_kernel.decode_first_last` (width up to 4): every value is read once; per first-axis
-  band, one matmul, whose result every first-axis position accumulates. 8x8 blocks: 744 GB/s (624);
-  8x8x3 colour blocks: 571 (410).
+  band, one matmul, whose result every first-axis position accumulates. 8x8 blocks: 733-744 GB/s
+  (624); 8x8x3 colour blocks: 571-572 (410).
 * :func:`~dctchop.cuda_kernel.decode_first_inside` (wider): per first-axis position, the first axis is summed
   into the matmul's input, so one accumulator is live and the (cached) values are reloaded per position.
-  8³ blocks: 531 GB/s (386-407: eight accumulators of 32 x 64).
+  8³ blocks: 525-531 GB/s (386-407: eight accumulators of 32 x 64).
 
 An 8³ block costs 8 + 64 multiply-adds per value instead of 1024.
 
@@ -30,8 +30,8 @@ Precision. ``decode_first_last`` follows torch's float32 matmul setting: ``"high
 three TF32 products (float32-level error, checked against the numba path by the tests), with the basis split
 into its TF32 part and the rest on the host (13% faster on 8x8 blocks than Triton's tf32x3, which splits it
 in every program); ``"high"`` or ``"medium"`` allow one TF32 product, with inputs rounded to 10 mantissa bits:
-8x8 blocks 1106 GB/s, colour blocks 682. ``decode_first_inside`` always takes three products: one measured
-slower on an H100 (433 against 531 GB/s).
+8x8 blocks 1106-1124 GB/s, colour blocks 682-683. ``decode_first_inside`` always takes three products: one
+measured slower on an H100 (433-442 against 530-541 GB/s, three runs).
 """
 
 from __future__ import annotations
