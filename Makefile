@@ -9,8 +9,13 @@ VENV312 := .venv312
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	# triton: its interpreter runs the CUDA decode kernels on the CPU in the tests (CUDA torch builds ship it)
-	$(VENV)/bin/python -m pip install -q -e ".[test,torch,dask,plot]" "triton==3.9.0"
+	$(VENV)/bin/python -m pip install -q -e ".[test,torch,dask,plot]"
+	touch $@
+
+# Triton's interpreter runs the CUDA decode kernels on the CPU in the tests (CUDA torch builds ship Triton;
+# the CPU build does not, and the demo does not need it)
+$(VENV)/.triton: $(VENV)/.installed
+	$(VENV)/bin/python -m pip install -q "triton==3.9.0"
 	touch $@
 
 $(VENV312)/.installed: pyproject.toml
@@ -27,5 +32,5 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/dctchop inspect out/images.zarr
 	$(VENV)/bin/dctchop inspect out/field.zarr
 
-test: $(VENV)/.installed $(VENV312)/.installed
+test: $(VENV)/.installed $(VENV)/.triton $(VENV312)/.installed
 	DCTCHOP_OTHER_PYTHON=$(CURDIR)/$(VENV312)/bin/python $(VENV)/bin/python -m pytest
