@@ -99,7 +99,7 @@ def fused_group(plan: TransformPlan, group, device: torch.device) -> FusedGroup:
     widths = tuple(group.widths)
     first = first_axis(widths)
     rest_axes = [d for d in range(len(widths)) if d != first]
-    order = rest_axes if first is None else [first, *rest_axes]  # the block's axes as the tables run over them
+    order = rest_axes if first is None else [first, *rest_axes]  # the block's axes as the tables order them
     first_width = 1 if first is None else widths[first]
     first_pad = 1 << (first_width - 1).bit_length()
     rest_width = math.prod(widths[d] for d in rest_axes)
@@ -169,16 +169,17 @@ def decode_groups(groups: list[FusedGroup], stored: torch.Tensor, steps: torch.T
             sizes = (stored.shape[1], steps.shape[1], chunk_size, g.start, g.n_blocks, g.n_first_bands)
             if g.first_last:  # tile sizes from a sweep on an H100
                 grid = (-(-g.n_blocks // 32), g.rest_pad // block_r, src.shape[0])
-                basis = (g.basis_hi, g.basis_lo) if split else (g.basis, g.basis)  # TF32 products drop the rest
+                basis = (g.basis_hi, g.basis_lo) if split else (g.basis, g.basis)  # one TF32 product: no rest
                 decode_first_last[grid](
                     *shared, *basis, g.sample_off, g.block_off, dst, *sizes, g.rows_pad, g.rest_pad, lo, hi,
-                    BN=32, BK=min(64, g.rows_pad), BR=block_r, FW=g.first_pad, ROUND=clip is not None, HALF=half,
-                    SPLIT=split, PRECISION=precision, num_warps=4, num_stages=2)
+                    BN=32, BK=min(64, g.rows_pad), BR=block_r, FW=g.first_pad, ROUND=clip is not None,
+                    HALF=half, SPLIT=split, PRECISION=precision, num_warps=4, num_stages=2)
             else:
                 block_n = max(16, block_r // 2)
                 grid = (-(-g.n_blocks // block_n), g.rest_pad // block_r, src.shape[0])
                 decode_first_inside[grid](
-                    *shared, g.basis, g.sample_off, g.block_off, dst, *sizes, g.first_width, g.rows_pad, g.rest_pad,
-                    lo, hi, BN=block_n, BK=min(32, g.rows_pad), BR=block_r, FW=g.first_pad, ROUND=clip is not None,
-                    HALF=half, PRECISION="tf32x3", num_warps=4, num_stages=2)  # faster than one TF32 product
+                    *shared, g.basis, g.sample_off, g.block_off, dst, *sizes, g.first_width, g.rows_pad,
+                    g.rest_pad, lo, hi, BN=block_n, BK=min(32, g.rows_pad), BR=block_r, FW=g.first_pad,
+                    ROUND=clip is not None, HALF=half, PRECISION="tf32x3",  # faster than one TF32 product
+                    num_warps=4, num_stages=2)
     return out

@@ -24,13 +24,14 @@ def _dot(a, b, b_lo, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def decode_first_last(stored, steps, rows, step_index, first_rows, basis_hi, basis_lo, sample_off, block_off, out,
-                      n_values, n_steps, chunk_size, start, n_blocks, n_first_bands, rows_pad, rest_pad,
+def decode_first_last(stored, steps, rows, step_index, first_rows, basis_hi, basis_lo, sample_off, block_off,
+                      out, n_values, n_steps, chunk_size, start, n_blocks, n_first_bands, rows_pad, rest_pad,
                       lo, hi, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, FW: tl.constexpr,
                       ROUND: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
-    """Decode one block group, program (block tile, rest tile, chunk), reading every stored value once: for each
-    kept band ``z`` of the first axis, ``t = values(z) @ rest basis`` on tensor cores, then every output position
-    ``f`` along the first axis gains ``C[z, f] * t``, in ``FW`` accumulators (``FW == 1``: no first axis)."""
+    """Decode one block group, program (block tile, rest tile, chunk), reading every stored value once: for
+    each kept band ``z`` of the first axis, ``t = values(z) @ rest basis`` on tensor cores, then every output
+    position ``f`` along the first axis gains ``C[z, f] * t``, in ``FW`` accumulators (``FW == 1``: no first
+    axis)."""
     n = tl.program_id(2).to(tl.int64)
     r = tl.program_id(1) * BR + tl.arange(0, BR)
     b = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -75,11 +76,11 @@ def decode_first_last(stored, steps, rows, step_index, first_rows, basis_hi, bas
 @triton.jit
 def decode_first_inside(stored, steps, rows, step_index, first_rows, basis, sample_off, block_off, out,
                         n_values, n_steps, chunk_size, start, n_blocks, n_first_bands, first_width, rows_pad,
-                        rest_pad, lo, hi, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, FW: tl.constexpr,
-                        ROUND: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr):
-    """Decode one block group, program (block tile, rest tile, chunk), one output position ``zp`` along the first
-    axis at a time: ``(sum_z C[z, zp] * values(z)) @ rest basis``, so only one accumulator is live, and the
-    (cached) values are loaded once per ``zp``."""
+                        rest_pad, lo, hi, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                        FW: tl.constexpr, ROUND: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr):
+    """Decode one block group, program (block tile, rest tile, chunk), one output position ``zp`` along the
+    first axis at a time: ``(sum_z C[z, zp] * values(z)) @ rest basis``, so only one accumulator is live, and
+    the (cached) values are loaded once per ``zp``."""
     n = tl.program_id(2).to(tl.int64)
     r = tl.program_id(1) * BR + tl.arange(0, BR)
     b = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -98,7 +99,8 @@ def decode_first_inside(stored, steps, rows, step_index, first_rows, basis, samp
                 v = tl.load(values + row.to(tl.int64)[None, :] * n_blocks + b[:, None],
                             mask=in_group[:, None] & (row >= 0)[None, :], other=0)
                 spread += v.to(tl.float32) * scale[None, :]
-            res = tl.dot(spread, tl.load(basis + k[:, None] * rest_pad + r[None, :]), res, input_precision=PRECISION)
+            rest = tl.load(basis + k[:, None] * rest_pad + r[None, :])
+            res = tl.dot(spread, rest, res, input_precision=PRECISION)
         if ROUND:
             res = tl.minimum(tl.maximum(tl.floor(res + 0.5), lo), hi)
         if HALF:

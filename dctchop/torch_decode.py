@@ -19,8 +19,9 @@ torch's float32 matmul precision: with TF32 enabled (``torch.set_float32_matmul_
 values carry TF32 rounding (about 1e-3 relative).
 
 On a CUDA device with Triton (CUDA builds of torch on Linux ship it), float32 work runs instead in fused
-kernels, one launch per group (:mod:`dctchop.cuda_decode`): the same result, 3.5-3.7x faster on an H100, since the
-dense matmul and the four passes over the output go. float64 data and other devices use the matmul path.
+kernels, one launch per group (:mod:`dctchop.cuda_decode`): the same result, 3.5-3.7x faster on an H100,
+since the dense matmul and the four passes over the output go. float64 data and other devices use the
+matmul path.
 """
 
 from __future__ import annotations
