@@ -1,5 +1,6 @@
-"""The inverse transform of whole blocks of 8 (8x8 grey, 8x8 RGB with its colour DCT), sixteen blocks at a time
-as LLVM vectors: the kernels of the band-major decode of :mod:`dctchop.transform` for those blocks.
+"""The inverse transform of 8x8 blocks (grey, and RGB with its colour DCT) and of the 8x4, 4x8 and 4x4 edge blocks
+of grey images 4 past a multiple of 8 (28x28), sixteen blocks at a time as LLVM vectors: the kernels of the
+band-major decode of :mod:`dctchop.transform` for those blocks.
 
 Why. numba's loops reach SIMD only through LLVM's loop vectoriser, which must guard every loop with run-time
 checks that its arrays do not overlap (numba cannot say they do not). A loop that computes all eight outputs
@@ -11,7 +12,8 @@ what does not fit to the stack, which stays in L1), and the DCT and colour matri
 folds into the multiplies instead of holding them in registers.
 
 Exactness. Each output is the same expression as in the numba kernels, in the same order: an 8-point pass
-sums by even and odd bands from ``0.0`` (:func:`dctchop.transform._even_odd`), the colour pass left to right
+sums by even and odd bands from ``0.0`` (:func:`dctchop.transform._even_odd`), a 4-point pass all bands in turn
+from ``0.0`` (:func:`dctchop.transform._inverse_3d`), the colour pass left to right
 (:func:`dctchop.transform._colour8_tile`), integer output rounds half up and clips (:func:`dctchop.transform._store`).
 LLVM only makes exact changes to them (no fast-math flags), so the results are bit for bit those of the
 coefficient image's decode; the tests check it.
@@ -36,6 +38,7 @@ from dctchop.transform import dct_matrix
 
 LANES = 16  # blocks per step: one 512-bit vector of float32 (two 256-bit ones without AVX-512)
 DCT8 = dct_matrix(8).astype(np.float32)  # the matrices of the passes, as the numba kernels get them
+DCT4 = dct_matrix(4).astype(np.float32)
 COLOUR3 = dct_matrix(3).astype(np.float32)
 
 
@@ -54,7 +57,9 @@ def _block_program(builder, vector, dims, passes, load, store):
     """Emit the inverse of one step of blocks: ``load(flat)`` gives input row ``flat`` (bands in C order over
     ``dims``), ``store(flat, value)`` takes output row ``flat`` (samples in C order). ``passes``: ``(axis,
     matrix)`` in the order they run, ``matrix[band, sample]`` float32. Values are computed when an output needs
-    them and stored as soon as they are final, which keeps fewer of them live."""
+    them and stored as soon as they are final, which keeps fewer of them live. A pass of 8 sums even and odd
+    bands apart, the colour pass (``COLOUR3``) sums left to right, any other from ``0.0``, as the numba kernels
+    do (module docs)."""
     zero = _splat(vector, 0.0)
     memo = {}
 
@@ -76,9 +81,11 @@ def _block_program(builder, vector, dims, passes, load, store):
                     o = builder.fadd(o, builder.fmul(m[v + 1], x[v + 1]))
                 memo[stage, at(j)] = builder.fadd(e, o)
                 memo[stage, at(7 - j)] = builder.fsub(e, o)
-        else:  # the 3-long colour DCT, summed left to right
+        else:  # the colour DCT left to right from its first term, other passes from 0.0
             for i in range(len(x)):
                 total = builder.fmul(_splat(vector, matrix[0, i]), x[0])
+                if matrix is not COLOUR3:
+                    total = builder.fadd(zero, total)
                 for v in range(1, len(x)):
                     total = builder.fadd(total, builder.fmul(_splat(vector, matrix[v, i]), x[v]))
                 memo[stage, at(i)] = total
@@ -194,6 +201,9 @@ def _blocks_kernel(name: str, dims: tuple[int, ...], passes):
 # kernels). Grey: bands (H, W); the pass over W, then over H.
 _rgb8 = _blocks_kernel("rgb8", (8, 8, 3), ((0, DCT8), (2, COLOUR3), (1, DCT8)))
 _grey8 = _blocks_kernel("grey8", (8, 8), ((1, DCT8), (0, DCT8)))
+_grey84 = _blocks_kernel("grey84", (8, 4), ((1, DCT4), (0, DCT8)))
+_grey48 = _blocks_kernel("grey48", (4, 8), ((1, DCT8), (0, DCT4)))
+_grey44 = _blocks_kernel("grey44", (4, 4), ((1, DCT4), (0, DCT4)))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -206,3 +216,24 @@ def inverse_rgb8(src, dst, n_blocks):  # pragma: no cover - compiled
 def inverse_grey8(src, dst, n_blocks):  # pragma: no cover - compiled
     """Blocks of 8x8 samples, ``(64, stride)`` band-major to ``(64, stride)`` samples (see module docs)."""
     _grey8(src, dst, n_blocks)
+
+
+@numba.njit(nogil=True, cache=True)
+def inverse_grey84(src, dst, n_blocks):  # pragma: no cover - compiled
+    """Blocks of 8x4 samples (8 rows of 4), ``(32, stride)`` band-major to samples (see module docs)."""
+    _grey84(src, dst, n_blocks)
+
+
+@numba.njit(nogil=True, cache=True)
+def inverse_grey48(src, dst, n_blocks):  # pragma: no cover - compiled
+    """Blocks of 4x8 samples, ``(32, stride)`` band-major to samples (see module docs)."""
+    _grey48(src, dst, n_blocks)
+
+
+@numba.njit(nogil=True, cache=True)
+def inverse_grey44(src, dst, n_blocks):  # pragma: no cover - compiled
+    """Blocks of 4x4 samples, ``(16, stride)`` band-major to samples (see module docs)."""
+    _grey44(src, dst, n_blocks)
+
+
+GREY_KERNELS = {(8, 8): inverse_grey8, (8, 4): inverse_grey84, (4, 8): inverse_grey48, (4, 4): inverse_grey44}

@@ -1474,7 +1474,7 @@ def _axis_block(p: AxisPlan, width: int) -> tuple[np.ndarray, np.ndarray]:
 
 @lru_cache(maxsize=16)
 def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: bool) -> BandMajor | None:
-    from dctchop.inverse8 import LANES, inverse_grey8, inverse_rgb8, padded_stride  # it imports this module
+    from dctchop.inverse8 import GREY_KERNELS, LANES, inverse_rgb8, padded_stride  # it imports this module
 
     plan = _plan(shape, axes, block, keep, mask)
     dtype = np.dtype(dtype_str)
@@ -1521,9 +1521,9 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
                            last))
         stride = n_blocks
         rgb8 = widths == (8, 8, 3) and [p[0] for p in passes] == [_inverse_3d, _inverse_colour8_bands]
-        if rgb8 or (widths == (8, 8) and colour_axis is None):  # in one kernel of dctchop.inverse8
+        if rgb8 or (widths in GREY_KERNELS and colour_axis is None):  # in one kernel of dctchop.inverse8
             stride, at = padded_stride(n_blocks), -(-at // LANES) * LANES
-            passes = [(inverse_rgb8 if rgb8 else inverse_grey8, (r1 - r0, stride), (n_blocks,), True)]
+            passes = [(inverse_rgb8 if rgb8 else GREY_KERNELS[widths], (r1 - r0, stride), (n_blocks,), True)]
         elif widths == (8, 8, 8) and colour_axis is None:  # X, Y, then Z
             (_, _, (mat_x, *_), _), (_, _, (mat_y, *_), _), (_, _, (mat_z, _, *last_args), _) = passes
             passes = [(_inverse_rows8_cubed_bands, (8, 8, 8, n_blocks), (mat_x, mat_y, mat_z, *last_args), True)]

@@ -7,7 +7,7 @@ import pytest
 import scipy.fft
 
 from dctchop import transform
-from dctchop.inverse8 import COLOUR3, DCT8, LANES, inverse_grey8, inverse_rgb8, padded_stride
+from dctchop.inverse8 import COLOUR3, DCT4, DCT8, GREY_KERNELS, LANES, inverse_rgb8, padded_stride
 
 F32 = np.float32
 BLOCK_COUNTS = [1, LANES - 1, LANES, 2 * LANES + 5, 1040]  # a short tail only, whole steps, both; 1040: 4 KB rows
@@ -33,6 +33,9 @@ def _run(kernel, src: np.ndarray, n_blocks: int, dtype) -> np.ndarray:
 def test_the_constants_are_the_plans_matrices():
     assert np.array_equal(DCT8, transform.axis_plan(8, 8, 8).matrix.astype(F32))
     assert np.array_equal(COLOUR3, transform.axis_plan(3, 3, 3).matrix.astype(F32))
+    edge = transform.axis_plan(28, 8, 8)  # 28 = 3 blocks of 8 and an edge block of 4
+    assert np.array_equal(DCT4, transform._axis_block(edge, 4)[0][:, :4].astype(F32))  # rows padded to 8
+    assert np.array_equal(DCT8, transform._axis_block(edge, 8)[0].astype(F32))
 
 
 @pytest.mark.parametrize("n", range(1, 200))
@@ -51,11 +54,13 @@ def test_rgb8_is_the_inverse_dct_and_colour_dct(n_blocks):
 
 
 @pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
-def test_grey8_is_the_inverse_dct(n_blocks):
-    src = _band_major(64, n_blocks, n_blocks)
-    out = _run(inverse_grey8, src, n_blocks, F32)
-    blocks = src[:, :n_blocks].astype(np.float64).reshape(8, 8, n_blocks)
-    expected = scipy.fft.idctn(blocks, axes=(0, 1), norm="ortho").reshape(64, n_blocks)
+@pytest.mark.parametrize("widths", list(GREY_KERNELS), ids=lambda w: f"{w[0]}x{w[1]}")
+def test_grey_is_the_inverse_dct(widths, n_blocks):
+    n_bands = widths[0] * widths[1]
+    src = _band_major(n_bands, n_blocks, n_blocks)
+    out = _run(GREY_KERNELS[widths], src, n_blocks, F32)
+    blocks = src[:, :n_blocks].astype(np.float64).reshape(*widths, n_blocks)
+    expected = scipy.fft.idctn(blocks, axes=(0, 1), norm="ortho").reshape(n_bands, n_blocks)
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-3)
 
 
@@ -72,23 +77,30 @@ def _numba_rgb8(src: np.ndarray, n_blocks: int, dtype) -> np.ndarray:
     return out.reshape(192, n_blocks)
 
 
-def _numba_grey8(src: np.ndarray, n_blocks: int, dtype) -> np.ndarray:
-    """The numba passes: over W, then over H."""
-    x = np.ascontiguousarray(src[:, :n_blocks]).reshape(8, 8, n_blocks)
-    by_w = np.empty_like(x)
-    zero, rows = F32(0), np.array([[0, 8, 0, 8]])
-    transform._inverse_3d(x, by_w, DCT8, rows, zero, zero, False)
-    out = np.empty((8, 8, n_blocks), dtype)
-    hi = F32(255 if dtype == np.uint8 else 0)
-    transform._inverse_3d(by_w.reshape(1, 8, -1), out.reshape(1, 8, -1), DCT8, rows, zero, hi, dtype == np.uint8)
-    return out.reshape(64, n_blocks)
+def _numba_grey(widths):
+    """The numba passes over blocks of ``widths``: over W, then over H."""
+    (h, w), matrix = widths, {8: DCT8, 4: DCT4}
+
+    def passes(src: np.ndarray, n_blocks: int, dtype) -> np.ndarray:
+        x = np.ascontiguousarray(src[:, :n_blocks]).reshape(h, w, n_blocks)
+        by_w = np.empty_like(x)
+        zero = F32(0)
+        transform._inverse_3d(x, by_w, matrix[w], np.array([[0, w, 0, w]]), zero, zero, False)
+        out = np.empty((h, w, n_blocks), dtype)
+        hi = F32(255 if dtype == np.uint8 else 0)
+        transform._inverse_3d(by_w.reshape(1, h, -1), out.reshape(1, h, -1), matrix[h], np.array([[0, h, 0, h]]),
+                              zero, hi, dtype == np.uint8)
+        return out.reshape(h * w, n_blocks)
+
+    return passes
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32])
 @pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
-@pytest.mark.parametrize("kernel, reference, n_bands", [(inverse_rgb8, _numba_rgb8, 192),
-                                                         (inverse_grey8, _numba_grey8, 64)],
-                         ids=["rgb8", "grey8"])
+@pytest.mark.parametrize("kernel, reference, n_bands",
+                         [(inverse_rgb8, _numba_rgb8, 192)]
+                         + [(kernel, _numba_grey(w), w[0] * w[1]) for w, kernel in GREY_KERNELS.items()],
+                         ids=["rgb8", *(f"grey{w[0]}x{w[1]}" for w in GREY_KERNELS)])
 def test_bit_for_bit_the_numba_passes(kernel, reference, n_bands, n_blocks, dtype):
     src = _band_major(n_bands, n_blocks, 7 * n_blocks)
     out, expected = _run(kernel, src, n_blocks, dtype), reference(src, n_blocks, dtype)
