@@ -1003,7 +1003,7 @@ def _check_interpreted_kernels(precision: str) -> None:
 @pytest.mark.parametrize("precision", ["highest", "high"])
 def test_fused_kernels_run_by_the_triton_interpreter_equal_the_numba_path(precision, tmp_path):
     """The Triton kernels themselves, run on the CPU by Triton's interpreter (where Triton is installed), on
-    every chunk above: table indexing, masks, both kernels (no first axis; the colour axis, an 8x8x4 block's
+    every chunk above: table indexing, masks, both kernels (no first axis; the colour axis, a 4x4x8 block's
     narrow axis or an 8³ block's first axis first), rounding, clipping, and the TF32 split (``highest``)."""
     triton = pytest.importorskip("triton")
     from packaging.version import Version
