@@ -24,6 +24,17 @@ def _dot(a, b, b_lo, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _finish(res, lo, hi, ROUND: tl.constexpr, HALF: tl.constexpr):
+    """Decoded values as the host writes them: integer dtypes rounded half up and clipped to ``lo .. hi``;
+    float16 data clipped first (as on the host: ringing near the limit is not inf), then rounded to float16."""
+    if ROUND:
+        res = tl.minimum(tl.maximum(tl.floor(res + 0.5), lo), hi)
+    if HALF:
+        res = tl.minimum(tl.maximum(res, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+    return res
+
+
+@triton.jit
 def decode_first_last(stored, steps, rows, step_index, first_rows, basis_hi, basis_lo, sample_off, block_off,
                       out, n_values, n_steps, chunk_size, start, n_blocks, n_first_bands, rows_pad, rest_pad,
                       lo, hi, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, FW: tl.constexpr,
@@ -58,10 +69,7 @@ def decode_first_last(stored, steps, rows, step_index, first_rows, basis_hi, bas
             res += t
         else:
             res += tl.load(first_rows + z * FW + f)[:, None, None] * t[None, :, :]
-    if ROUND:
-        res = tl.minimum(tl.maximum(tl.floor(res + 0.5), lo), hi)
-    if HALF:  # clipped first, as on the host: ringing near the limit is not inf
-        res = tl.minimum(tl.maximum(res, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+    res = _finish(res, lo, hi, ROUND, HALF)
     there = tl.load(block_off + b, mask=in_group, other=0)
     if FW == 1:
         where = tl.load(sample_off + r)  # -1 pads
@@ -101,10 +109,7 @@ def decode_first_inside(stored, steps, rows, step_index, first_rows, basis, samp
                 spread += v.to(tl.float32) * scale[None, :]
             rest = tl.load(basis + k[:, None] * rest_pad + r[None, :])
             res = tl.dot(spread, rest, res, input_precision=PRECISION)
-        if ROUND:
-            res = tl.minimum(tl.maximum(tl.floor(res + 0.5), lo), hi)
-        if HALF:
-            res = tl.minimum(tl.maximum(res, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+        res = _finish(res, lo, hi, ROUND, HALF)
         where = tl.load(sample_off + zp * rest_pad + r)  # -1 pads
         tl.store(out + n * chunk_size + (there[:, None] + where[None, :]), res,
                  mask=in_group[:, None] & (where >= 0)[None, :])

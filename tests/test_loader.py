@@ -982,7 +982,7 @@ def _check_interpreted_kernels(precision: str) -> None:
 
     torch.set_float32_matmul_precision(precision)
     kinds = set()
-    for name, data in _chunks_to_check():
+    for _, data in _chunks_to_check():
         header = read_header(data)
         coded = read_stored(data, header.shape, header.dtype)
         decoder = DeviceDecoder(coded.plan, coded.dtype, torch.device("cpu"))
