@@ -246,17 +246,17 @@ def decoder_rate(store: Path, device: str, min_bytes: float, repeats: int, fused
     decoder = DeviceDecoder(coded[0].plan, coded[0].dtype, torch.device(device))
     if not fused:
         decoder._fused = None  # the fused kernel's tables: without them the matmul path decodes
-    stored, steps, _ = decoder.upload([stage(c, decoder.device) for c in coded])  # nothing to do last: data near 1
+    stored, steps, _, bound = decoder.upload([stage(c, decoder.device) for c in coded])  # nothing to do last
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     default = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
-        decoder(stored, steps)
+        decoder(stored, steps, None, bound)
         sync()
         best = math.inf
         for _ in range(repeats):
             t = time.perf_counter()
-            out = decoder(stored, steps)
+            out = decoder(stored, steps, None, bound)
             sync()
             best = min(best, time.perf_counter() - t)
     finally:

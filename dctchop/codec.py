@@ -734,7 +734,8 @@ class StoredChunk:
 
     ``stored`` holds the stored values band-major in the precision's storage dtype (bfloat16 as its uint16
     bits); ``steps`` the per-band steps (ones for float32/bfloat16); ``offset`` what the decoded data is
-    relative to. Everything a decoder on another device needs besides the (cached) plan.
+    relative to; ``level_bound`` a bound on the stored values' magnitudes where the bit planes give one for
+    free (inf otherwise). Everything a decoder on another device needs besides the (cached) plan.
     """
 
     plan: TransformPlan
@@ -743,6 +744,7 @@ class StoredChunk:
     stored: np.ndarray = field(repr=False)
     steps: np.ndarray = field(repr=False)
     offset: float = 0.0
+    level_bound: float = math.inf
 
 
 def _checked(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> tuple[ChunkHeader, TransformPlan,
@@ -802,10 +804,11 @@ def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> Stor
     """
     header, plan, steps, payload = _checked(data, shape, dtype)
     if header.bitplanes:
-        stored = _checked_planes(header, plan, steps, payload).unpack()
+        planes = _checked_planes(header, plan, steps, payload)
+        stored, bound = planes.unpack(), float(planes.largest_levels().max(initial=0.0))
     else:
-        stored = _plain_values(header, payload)
-    return StoredChunk(plan, header.dtype, header.precision, stored, steps, header.offset)
+        stored, bound = _plain_values(header, payload), math.inf
+    return StoredChunk(plan, header.dtype, header.precision, stored, steps, header.offset, bound)
 
 
 def _checked_planes(header: ChunkHeader, plan: TransformPlan, steps: np.ndarray, payload: memoryview) -> Planes:

@@ -18,19 +18,26 @@ rest positions; integer dtypes are rounded and clipped (``floor(v + 0.5)``, like
 H100 at torch's default precision, ``benchmarks/loader.py``; the other kernel's figure in brackets):
 
 * :func:`~dctchop.cuda_kernel.decode_first_last` (width up to 4): every value is read once; per first-axis
-  band, one matmul, whose result every first-axis position accumulates. 8x8 blocks: 733-744 GB/s
-  (624); 8x8x3 colour blocks: 571-572 (410).
+  band, one matmul, whose result every first-axis position accumulates. 8x8 blocks: 810-833 GB/s
+  (624); 8x8x3 colour blocks: 607-648 (410).
 * :func:`~dctchop.cuda_kernel.decode_first_inside` (wider): per first-axis position, the first axis is summed
   into the matmul's input, so one accumulator is live and the (cached) values are reloaded per position.
-  8³ blocks: 525-531 GB/s (386-407: eight accumulators of 32 x 64).
+  8³ blocks: 503-531 GB/s (386-407: eight accumulators of 32 x 64).
 
 An 8³ block costs 8 + 64 multiply-adds per value instead of 1024.
 
-Precision. ``decode_first_last`` follows torch's float32 matmul setting: ``"highest"`` (torch's default) gives
-three TF32 products (float32-level error, checked against the numba path by the tests), with the basis split
-into its TF32 part and the rest on the host (13% faster on 8x8 blocks than Triton's tf32x3, which splits it
-in every program); ``"high"`` or ``"medium"`` allow one TF32 product, with inputs rounded to 10 mantissa bits:
-8x8 blocks 1106-1124 GB/s, colour blocks 682-683. ``decode_first_inside`` always takes three products: one
+Precision. ``decode_first_last`` multiplies the stored values as they are by the rest basis with each chunk's
+steps folded in (:func:`scaled_basis`, made before each launch: 16 KB per chunk and first-axis band), and follows torch's
+float32 matmul setting. At ``"highest"`` (torch's default) the scaled basis is split into its TF32 part and
+the float32 rest (:func:`split_tf32`), which gives float32-level error (checked against the numba path by
+the tests) in two TF32 products where the stored values are exact in TF32 (:func:`values_exact_in_tf32`:
+int8, float16 and bfloat16 values, and integers up to 2**11, which the bit-plane masks bound for free), and
+in three where they are not (the values split in the kernel, as in Triton's tf32x3, which also splits the
+basis in every program). ``"high"`` or ``"medium"`` allow one TF32 product, the basis rounded to 10 mantissa
+bits: 8x8 blocks 1066-1144 GB/s, colour blocks 693-743. Folding the steps into the basis instead of
+multiplying every value took 8x8 blocks from 739-773 to 810-833 GB/s and colour blocks from 568-574 to
+607-648 at ``"highest"`` (runs alternating on one H100). ``decode_first_inside`` sums over the
+first axis before its matmul, so the steps cannot move into its basis; it always takes three products: one
 measured slower on an H100 (433-442 against 530-541 GB/s, three runs).
 """
 
@@ -61,10 +68,23 @@ def first_axis(widths: tuple[int, ...]) -> int | None:
     return None if math.prod(widths) <= REST_PER_PROGRAM else int(np.argmin(widths))
 
 
-def split_tf32(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def split_tf32(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``a`` as its top 11 significant bits (a TF32 value) and the exact float32 rest."""
-    hi = (a.view(np.int32) & np.int32(-8192)).view(np.float32)
+    hi = (a.view(torch.int32) & -8192).view(torch.float32)
     return hi, a - hi
+
+
+def values_exact_in_tf32(stored: torch.Tensor, level_bound: float) -> bool:
+    """Whether every stored value converts to float32 and then to TF32 (11 significant bits) exactly: int8,
+    float16 and bfloat16 always, whole numbers up to 2**11 in magnitude."""
+    return stored.dtype in (torch.int8, torch.float16, torch.bfloat16) or level_bound <= 2.0**11
+
+
+def scaled_basis(group: FusedGroup, steps: torch.Tensor) -> torch.Tensor:
+    """``(n, n_first_bands, rows_pad, rest_pad)``: the rest basis per chunk and first-axis band, each row times
+    its band's step, which :func:`~dctchop.cuda_kernel.decode_first_last` then multiplies by the stored
+    values as they are."""
+    return (steps[:, group.step_index.long()].unsqueeze(-1) * group.basis).contiguous()
 
 
 @dataclass(frozen=True)
@@ -82,8 +102,6 @@ class FusedGroup:
     step_index: torch.Tensor  # same shape, int32: its step
     first_rows: torch.Tensor  # (n_first_bands, first_pad) float32: DCT rows of the first axis, zero-padded
     basis: torch.Tensor  # (rows_pad, rest_pad) float32: the rest-of-block basis row of each slot
-    basis_hi: torch.Tensor  # basis as TF32 values and the float32 rest (split_tf32)
-    basis_lo: torch.Tensor
     sample_off: torch.Tensor  # (first_pad, rest_pad) int32: offset of each position in a block; -1 pads
     block_off: torch.Tensor  # (n_blocks,) int32: offset of each block in the chunk
 
@@ -133,13 +151,11 @@ def fused_group(plan: TransformPlan, group, device: torch.device) -> FusedGroup:
     block_off = np.indices(group.grid).reshape(len(group.grid), -1).T @ np.asarray(steps_per_grid) + origin
 
     as_device = lambda a, dtype: torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
-    basis_hi, basis_lo = split_tf32(basis)
     return FusedGroup(
         start=group.start, n_blocks=group.n_blocks, n_first_bands=n_first, first_width=first_width,
         first_pad=first_pad, rows_pad=rows_pad, rest_pad=rest_pad,
         rows=as_device(rows, torch.int32), step_index=as_device(step_index, torch.int32),
         first_rows=as_device(first_rows, torch.float32), basis=as_device(basis, torch.float32),
-        basis_hi=as_device(basis_hi, torch.float32), basis_lo=as_device(basis_lo, torch.float32),
         sample_off=as_device(sample_off, torch.int32), block_off=as_device(block_off, torch.int32))
 
 
@@ -149,8 +165,9 @@ def matmul_precision() -> str:
 
 
 def decode_groups(groups: list[FusedGroup], stored: torch.Tensor, steps: torch.Tensor, shape: tuple[int, ...],
-                  clip: tuple[float, float] | None, half: bool) -> torch.Tensor:
-    """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` float32 steps into ``(n, *shape)`` float32."""
+                  clip: tuple[float, float] | None, half: bool, level_bound: float = math.inf) -> torch.Tensor:
+    """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` float32 steps into ``(n, *shape)`` float32;
+    ``level_bound`` bounds the stored values' magnitudes."""
     from dctchop.cuda_kernel import decode_first_inside, decode_first_last
 
     n = stored.shape[0]
@@ -159,27 +176,30 @@ def decode_groups(groups: list[FusedGroup], stored: torch.Tensor, steps: torch.T
     lo, hi = clip if clip is not None else (0.0, 0.0)
     precision = matmul_precision()
     split = precision == "tf32x3"
+    split_values = split and not values_exact_in_tf32(stored, level_bound)
     steps = steps.contiguous()
     for first in range(0, n, GRID_Z_MAX):
         part = slice(first, min(n, first + GRID_Z_MAX))
         src, stp, dst = stored[part], steps[part], out[part]
         for g in groups:
             block_r = min(REST_PER_PROGRAM, g.rest_pad)
-            shared = (src, stp, g.rows, g.step_index, g.first_rows)
-            sizes = (stored.shape[1], steps.shape[1], chunk_size, g.start, g.n_blocks, g.n_first_bands)
             if g.first_last:  # tile sizes from a sweep on an H100
                 grid = (-(-g.n_blocks // 32), g.rest_pad // block_r, src.shape[0])
-                basis = (g.basis_hi, g.basis_lo) if split else (g.basis, g.basis)  # one TF32 product: no rest
+                basis = scaled_basis(g, stp)
+                basis = split_tf32(basis) if split else (basis, basis)  # one TF32 product: no rest
                 decode_first_last[grid](
-                    *shared, *basis, g.sample_off, g.block_off, dst, *sizes, g.rows_pad, g.rest_pad, lo, hi,
-                    BN=32, BK=min(64, g.rows_pad), BR=block_r, FW=g.first_pad, ROUND=clip is not None,
-                    HALF=half, SPLIT=split, PRECISION=precision, num_warps=4, num_stages=2)
+                    src, g.rows, g.first_rows, *basis, g.sample_off, g.block_off, dst, stored.shape[1],
+                    chunk_size, g.start, g.n_blocks, g.n_first_bands, g.rows_pad, g.rest_pad, lo, hi, BN=32,
+                    BK=min(64, g.rows_pad), BR=block_r, FW=g.first_pad, ROUND=clip is not None, HALF=half,
+                    SPLIT_A=split_values, SPLIT=split, PRECISION=precision, num_warps=4, num_stages=2)
             else:
                 block_n = max(16, block_r // 2)
                 grid = (-(-g.n_blocks // block_n), g.rest_pad // block_r, src.shape[0])
                 decode_first_inside[grid](
-                    *shared, g.basis, g.sample_off, g.block_off, dst, *sizes, g.first_width, g.rows_pad,
-                    g.rest_pad, lo, hi, BN=block_n, BK=min(32, g.rows_pad), BR=block_r, FW=g.first_pad,
-                    ROUND=clip is not None, HALF=half, PRECISION="tf32x3",  # faster than one TF32 product
+                    src, stp, g.rows, g.step_index, g.first_rows, g.basis, g.sample_off, g.block_off, dst,
+                    stored.shape[1], steps.shape[1], chunk_size, g.start, g.n_blocks, g.n_first_bands,
+                    g.first_width, g.rows_pad, g.rest_pad, lo, hi, BN=block_n, BK=min(32, g.rows_pad), BR=block_r,
+                    FW=g.first_pad, ROUND=clip is not None, HALF=half,
+                    PRECISION="tf32x3",  # faster than one TF32 product
                     num_warps=4, num_stages=2)
     return out

@@ -8,17 +8,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _dot(a, b, b_lo, acc, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc + a @ b``. With ``SPLIT``, three TF32 products with ``b`` already split on the host into TF32
-    ``b`` and the float32 rest ``b_lo`` (Triton's tf32x3 splits both operands in every program): ``a`` is cut
-    exactly into its top 11 significant bits and the rest, and only the rest times ``b_lo`` (2**-22 relative)
-    is left out, as in tf32x3."""
+def _dot(a, b, b_lo, acc, SPLIT_A: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc + a @ b``. With ``SPLIT``, TF32 products to float32 accuracy, ``b`` split before the launch into its
+    TF32 part ``b`` and the float32 rest ``b_lo`` (Triton's tf32x3 splits both operands in every program). ``a``
+    holds stored values, exact in TF32 unless ``SPLIT_A``: then it is cut exactly into its top 11 significant
+    bits and the rest, and only the rest times ``b_lo`` (2**-22 relative) is left out, as in tf32x3. Two
+    products, or three with ``SPLIT_A``."""
     if SPLIT:
-        a_hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-        a_lo = a - a_hi
-        acc = tl.dot(a_lo, b, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-        return tl.dot(a_hi, b, acc, input_precision="tf32")
+        if SPLIT_A:
+            a_hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+            acc = tl.dot(a - a_hi, b, acc, input_precision="tf32")
+            a = a_hi
+        acc = tl.dot(a, b_lo, acc, input_precision="tf32")
+        return tl.dot(a, b, acc, input_precision="tf32")
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
 
@@ -35,21 +37,21 @@ def _finish(res, lo, hi, ROUND: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def decode_first_last(stored, steps, rows, step_index, first_rows, basis_hi, basis_lo, sample_off, block_off,
-                      out, n_values, n_steps, chunk_size, start, n_blocks, n_first_bands, rows_pad, rest_pad,
-                      lo, hi, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, FW: tl.constexpr,
-                      ROUND: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+def decode_first_last(stored, rows, first_rows, basis_hi, basis_lo, sample_off, block_off, out, n_values,
+                      chunk_size, start, n_blocks, n_first_bands, rows_pad, rest_pad, lo, hi, BN: tl.constexpr,
+                      BK: tl.constexpr, BR: tl.constexpr, FW: tl.constexpr, ROUND: tl.constexpr,
+                      HALF: tl.constexpr, SPLIT_A: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     """Decode one block group, program (block tile, rest tile, chunk), reading every stored value once: for
-    each kept band ``z`` of the first axis, ``t = values(z) @ rest basis`` on tensor cores, then every output
-    position ``f`` along the first axis gains ``C[z, f] * t``, in ``FW`` accumulators (``FW == 1``: no first
-    axis)."""
+    each kept band ``z`` of the first axis, ``t = values(z) @ B(z)`` on tensor cores, ``B(z)`` the rest basis
+    with the chunk's steps of band ``z`` folded in, then every output position ``f`` along the first axis
+    gains ``C[z, f] * t``, in ``FW`` accumulators (``FW == 1``: no first axis)."""
     n = tl.program_id(2).to(tl.int64)
     r = tl.program_id(1) * BR + tl.arange(0, BR)
     b = tl.program_id(0) * BN + tl.arange(0, BN)
     f = tl.arange(0, FW)
     in_group = b < n_blocks
     values = stored + n * n_values + start
-    step_row = steps + n * n_steps
+    chunk_basis = n * n_first_bands * rows_pad * rest_pad
     if FW == 1:
         res = tl.zeros((BN, BR), dtype=tl.float32)
     else:
@@ -59,12 +61,12 @@ def decode_first_last(stored, steps, rows, step_index, first_rows, basis_hi, bas
         for k0 in range(0, rows_pad, BK):  # a tile of rest-of-block bands
             k = k0 + tl.arange(0, BK)
             row = tl.load(rows + z * rows_pad + k)  # row of the group's (bands, blocks) matrix; -1: not kept
-            scale = tl.load(step_row + tl.load(step_index + z * rows_pad + k))
             v = tl.load(values + row.to(tl.int64)[None, :] * n_blocks + b[:, None],
                         mask=in_group[:, None] & (row >= 0)[None, :], other=0)
-            basis = tl.load(basis_hi + k[:, None] * rest_pad + r[None, :])
-            rest = tl.load(basis_lo + k[:, None] * rest_pad + r[None, :]) if SPLIT else basis
-            t = _dot(v.to(tl.float32) * scale[None, :], basis, rest, t, SPLIT, PRECISION)
+            at = chunk_basis + (z * rows_pad + k)[:, None] * rest_pad + r[None, :]
+            basis = tl.load(basis_hi + at)
+            rest = tl.load(basis_lo + at) if SPLIT else basis
+            t = _dot(v.to(tl.float32), basis, rest, t, SPLIT_A, SPLIT, PRECISION)
         if FW == 1:
             res += t
         else:

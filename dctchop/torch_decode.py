@@ -171,6 +171,7 @@ class StagedChunk:
     steps: torch.Tensor = field(repr=False)  # (n_bands,) in the work dtype, times 2**shift
     shift: int = 0  # the decoded chunk is divided by 2**shift
     offset: float = 0.0  # and added to the chunk's offset
+    level_bound: float = math.inf  # bound on the stored values' magnitudes (StoredChunk.level_bound)
 
 
 # float32 steps are kept at or above this: with basis entries down to about 2**-10 (8x8x8 blocks), every
@@ -203,7 +204,7 @@ def stage(chunk: StoredChunk, device: torch.device) -> StagedChunk:
     shift = step_shift(chunk.steps, chunk.dtype)
     steps = torch.tensor(np.ldexp(chunk.steps, shift), dtype=_work_dtype(chunk.dtype))
     return StagedChunk(chunk.plan, chunk.dtype, chunk.precision, stored, steps.pin_memory() if pin else steps, shift,
-                       chunk.offset)
+                       chunk.offset, chunk.level_bound)
 
 
 class DeviceDecoder:
@@ -243,11 +244,11 @@ class DeviceDecoder:
             self._clip = None
         self._fused = _fused_groups(plan, self.groups, self.device) if self.work == torch.float32 else None
 
-    def upload(self, chunks: list[StagedChunk]) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
-        """Stored values ``(n, n_values)``, steps ``(n, n_bands)`` and what is done to each decoded chunk last
+    def upload(self, chunks: list[StagedChunk]) -> tuple[torch.Tensor, torch.Tensor, tuple | None, float]:
+        """Stored values ``(n, n_values)``, steps ``(n, n_bands)``, what is done to each decoded chunk last
         (``(offsets, scales)``: the offset times ``2**shift``, and ``2**-shift``, per chunk, see
-        :class:`StagedChunk`; None when there is nothing to do) of ``chunks`` on the device: only these cross,
-        one asynchronous copy each from pinned memory when the device is a GPU."""
+        :class:`StagedChunk`; None when there is nothing to do) and the largest level bound of ``chunks`` on the
+        device: only the tensors cross, one asynchronous copy each from pinned memory when the device is a GPU."""
         precision = chunks[0].precision
         if any(c.precision != precision or plan_key(c.plan) != plan_key(self.plan) for c in chunks):
             raise DctchopError("chunks decoded together must share one plan and precision")
@@ -264,25 +265,29 @@ class DeviceDecoder:
             offsets = [math.ldexp(c.offset, c.shift) for c in chunks]  # at the decode's scale
             scales = [2.0 ** -c.shift for c in chunks]  # powers of two: exact, and normal float32s
             last = tuple(torch.tensor(v, dtype=self.work).view(shape).to(self.device) for v in (offsets, scales))
-        return stored, steps, last
+        return stored, steps, last, max(c.level_bound for c in chunks)
 
-    def __call__(self, stored: torch.Tensor, steps: torch.Tensor, last: tuple | None = None) -> torch.Tensor:
+    def __call__(self, stored: torch.Tensor, steps: torch.Tensor, last: tuple | None = None,
+                 level_bound: float = math.inf) -> torch.Tensor:
         """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` steps into ``(n, *chunk_shape)``, then offset
         and scale each chunk as ``last`` (from :meth:`upload`) says. Only float32/float64 data has offsets or
         scales, whose output is neither rounded nor clipped: they apply last, on either path. The offset is
         added at the scale of the decode, whose values may be subnormal only once scaled back: the sum is
-        rounded as on the host (a power of two changes no rounding) and is never flushed to zero."""
-        out = self._decode(stored, steps)
+        rounded as on the host (a power of two changes no rounding) and is never flushed to zero.
+        ``level_bound`` (from :meth:`upload`) bounds the stored values' magnitudes: the fused kernels take
+        fewer products when they are whole numbers exact in TF32."""
+        out = self._decode(stored, steps, level_bound)
         if last is not None:
             offsets, scales = last
             out.add_(offsets).mul_(scales)
         return out
 
-    def _decode(self, stored: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    def _decode(self, stored: torch.Tensor, steps: torch.Tensor, level_bound: float) -> torch.Tensor:
         if self._fused is not None:
             from dctchop.cuda_decode import decode_groups
 
-            return decode_groups(self._fused, stored, steps, self.plan.shape, self._clip, self.dtype == np.float16)
+            return decode_groups(self._fused, stored, steps, self.plan.shape, self._clip, self.dtype == np.float16,
+                                 level_bound)
         n = stored.shape[0]
         values = stored.to(self.work)
         out = torch.empty((n, *self.plan.shape), dtype=self.work, device=self.device)

@@ -934,9 +934,6 @@ def _emulate_fused_kernel(groups, stored: np.ndarray, steps: np.ndarray, size: i
     out, written = np.zeros(size), np.zeros(size, np.int64)
     for g in groups:
         rows, step_index, first = g.rows.numpy(), g.step_index.numpy(), g.first_rows.numpy()
-        basis_hi, basis_lo = g.basis_hi.numpy(), g.basis_lo.numpy()
-        assert np.array_equal(basis_hi + basis_lo, g.basis.numpy())  # the split is exact
-        assert np.all(basis_hi.view(np.int32) & 8191 == 0)  # and its first part is a TF32 value
         blocks = np.arange(g.n_blocks)
         for zp in range(g.first_width):
             spread = np.zeros((g.n_blocks, g.rows_pad))
@@ -975,9 +972,77 @@ def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
     _assert_decodes_alike(got.astype(np.float32), ref)
 
 
+@needs_torch
+def test_the_scaled_basis_is_the_rest_basis_times_each_rows_step_and_splits_exactly_into_tf32():
+    from dctchop.cuda_decode import fused_group, scaled_basis, split_tf32
+    from dctchop.torch_decode import block_groups
+
+    data = dict(_chunks_to_check())["3d_triangle_edges"]
+    header = read_header(data)
+    coded = read_stored(data, header.shape, header.dtype)
+    steps = torch.as_tensor(np.stack([coded.steps, coded.steps * 3.7]), dtype=torch.float32)
+    for g in (fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)):
+        scaled = scaled_basis(g, steps)
+        assert scaled.shape == (2, g.n_first_bands, g.rows_pad, g.rest_pad)
+        for n, z, k in np.ndindex(2, g.n_first_bands, g.rows_pad):
+            step = steps[n, g.step_index[z, k]]
+            assert torch.equal(scaled[n, z, k], step * g.basis[k])
+        hi, lo = split_tf32(scaled)
+        assert torch.equal(hi + lo, scaled)  # exact
+        assert torch.all(hi.view(torch.int32) & 8191 == 0)  # and its first part is a TF32 value
+        assert torch.all(lo.abs() <= 2.0**-10 * scaled.abs())
+
+
+@needs_torch
+def test_the_fused_kernel_splits_the_stored_values_unless_they_are_exact_in_tf32():
+    from dctchop.cuda_decode import values_exact_in_tf32
+
+    small = read_stored(dict(_chunks_to_check())["nhwc_u8_psnr"], (5, 21, 30, 3), np.uint8)
+    assert small.precision == "int8" and small.level_bound <= 128
+    large = dict(_chunks_to_check())["3d_triangle_edges"]
+    large = read_stored(large, read_header(large).shape, np.float32)  # int16 scaled to the full range
+    assert large.level_bound > 2048 and np.abs(large.stored.astype(np.int64)).max() <= large.level_bound
+    as_tensor = lambda dtype: torch.zeros(1, dtype=dtype)
+    for dtype in (torch.int8, torch.float16, torch.bfloat16):
+        assert values_exact_in_tf32(as_tensor(dtype), math.inf)
+    assert values_exact_in_tf32(as_tensor(torch.int16), 2048.0)
+    assert not values_exact_in_tf32(as_tensor(torch.int16), 4096.0)
+    assert not values_exact_in_tf32(as_tensor(torch.float32), math.inf)
+
+
+def _tf32(a: np.ndarray) -> np.ndarray:
+    """float32 ``a`` as the tensor cores read it in TF32: its top 11 significant bits."""
+    return (a.astype(np.float32).view(np.int32) & np.int32(-8192)).view(np.float32)
+
+
+@needs_torch
+def test_tf32_products_as_the_fused_kernel_takes_them_reach_float32_accuracy():
+    """Why two TF32 products suffice for values exact in TF32 (the kernel's ``SPLIT_A`` off) and three
+    otherwise, in numpy: Triton's interpreter computes TF32 dots in float32, so it cannot show this."""
+    from dctchop.cuda_decode import split_tf32
+
+    rng = np.random.default_rng(1)
+    for dtype in (np.float16, "bfloat16"):  # exact in TF32 whatever their size
+        bits = rng.integers(0, 2**16, 4096, dtype=np.uint16)
+        x = (bits.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else bits.view(np.float16)
+        x = x[np.isfinite(x)].astype(np.float32)
+        assert np.array_equal(_tf32(x), x)
+    basis = torch.as_tensor(rng.normal(size=(64, 64)) * 0.17 * 3.3e-3, dtype=torch.float32)
+    b_hi, b_lo = (t.numpy().astype(np.float64) for t in split_tf32(basis))
+    for bound in (2048, 32767):
+        a = rng.integers(-bound, bound + 1, size=(256, 64)).astype(np.float32)
+        exact = a.astype(np.float64) @ basis.numpy().astype(np.float64)
+        unit = 2.0**-22 * (np.abs(a).astype(np.float64) @ np.abs(basis.numpy()).astype(np.float64))
+        two = _tf32(a) @ _tf32(b_lo) + _tf32(a) @ b_hi
+        a_hi = _tf32(a).astype(np.float64)
+        three = _tf32(a - a_hi) @ b_hi + a_hi @ _tf32(b_lo) + a_hi @ b_hi
+        assert np.all(np.abs(three - exact) <= 2 * unit)
+        assert np.all(np.abs(two - exact) <= 2 * unit) == (bound <= 2048)
+
+
 def _check_interpreted_kernels(precision: str) -> None:
     """Run in a process where TRITON_INTERPRET=1 was set before Triton loaded (the interpreter needs it then)."""
-    from dctchop.cuda_decode import decode_groups, fused_group
+    from dctchop.cuda_decode import decode_groups, fused_group, values_exact_in_tf32
     from dctchop.torch_decode import DeviceDecoder, block_groups, stage
 
     torch.set_float32_matmul_precision(precision)
@@ -989,14 +1054,18 @@ def _check_interpreted_kernels(precision: str) -> None:
         if decoder.work != torch.float32:
             continue  # float64 data decodes in float64, on the matmul path
         groups = [fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)]
-        kinds |= {(g.first_width, g.first_last) for g in groups}
-        stored, steps, last = decoder.upload([stage(coded, "cpu")] * 2)
-        got = decode_groups(groups, stored, steps, coded.plan.shape, decoder._clip, coded.dtype == np.float16)
-        if last is not None:
-            got.add_(last[0]).mul_(last[1])
+        stored, steps, last, bound = decoder.upload([stage(coded, "cpu")] * 2)
+        exact = values_exact_in_tf32(stored, bound)
+        kinds |= {(g.first_width, g.first_last, exact) for g in groups}
         ref = decode_chunk(data, header.shape, header.dtype)
-        _assert_decodes_alike(got[1].numpy().astype(ref.dtype), ref)
-    assert {(1, True), (3, True), (4, True), (8, False)} <= kinds, kinds
+        for level_bound in {bound, math.inf}:  # and with the stored values split, whatever they are
+            got = decode_groups(groups, stored, steps, coded.plan.shape, decoder._clip, coded.dtype == np.float16,
+                                level_bound)
+            if last is not None:
+                got.add_(last[0]).mul_(last[1])
+            _assert_decodes_alike(got[1].numpy().astype(ref.dtype), ref)
+    first_last = {(w, exact) for w, fl, exact in kinds if fl}
+    assert {(1, True), (1, False), (3, True), (4, False)} <= first_last and (8, False, False) in kinds, kinds
 
 
 @needs_torch
