@@ -900,12 +900,20 @@ def _chunks_to_check():
                                                                 target_psnr=60.0, peak=131008.0))
 
 
-def _assert_decodes_alike(got: np.ndarray, ref: np.ndarray) -> None:
-    """Device decode against the numba path: equal up to float32 summation order."""
+def _assert_decodes_alike(got: np.ndarray, ref: np.ndarray, data: bytes) -> None:
+    """Device decode against the numba path: equal up to float32 summation order. Integer outputs may differ by
+    one, only where the decoded value lies within float32 rounding of .5: the classic bound on a sum of 64
+    float32 terms, 64 * 2**-24 of the sum of their magnitudes (from the tables in float64). There either
+    rounding is right. A cap on the count of differences (1% until now) does not fit 16-bit data: 14 of the
+    1152 values of the uint16 fixture lie within float32's unit there (0.0039) of .5, and float32 sums in
+    random orders (numpy, tiles of 32 bands) disagreed with the numba path in up to 10 of them."""
     if ref.dtype.kind in "iu":
-        # both round floor(v + 0.5) of a float32 sum; summation order may move a value across .5 rarely
         diff = np.abs(got.astype(np.int64) - ref.astype(np.int64))
-        assert diff.max() <= 1 and np.count_nonzero(diff) <= max(1, ref.size // 100)
+        assert diff.max() <= 1
+        if diff.any():
+            value, magnitude = _decoded_in_float64(data)
+            near_half = np.abs(value - np.floor(value) - 0.5) <= 2.0**-18 * magnitude
+            assert np.all(near_half[diff > 0]), (np.count_nonzero(diff), np.count_nonzero(diff[~near_half]))
     else:
         largest = float(np.abs(ref.astype(np.float64)).max())
         unit = 2.0 ** (math.floor(math.log2(largest)) - 10) if largest > 0 else 0.0  # float16's last place there
@@ -925,7 +933,7 @@ def test_device_decode_equals_the_numba_path(name, data, device):
 
     got = decode_on_device([stage(read_stored(data, header.shape, header.dtype), device)] * 2, device)
     assert got.shape == (2, *header.shape)
-    _assert_decodes_alike(got[1].cpu().numpy(), ref)
+    _assert_decodes_alike(got[1].cpu().numpy(), ref, data)
 
 
 def _emulate_fused_kernel(groups, stored: np.ndarray, steps: np.ndarray, size: int) -> np.ndarray:
@@ -951,63 +959,37 @@ def _emulate_fused_kernel(groups, stored: np.ndarray, steps: np.ndarray, size: i
     return out
 
 
-@needs_torch
-@pytest.mark.parametrize("name, data", list(_chunks_to_check()), ids=lambda v: v if isinstance(v, str) else "")
-def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
+def _decoded_in_float64(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk decoded in float64 from the fused kernels' tables (neither rounded nor clipped), and per value the
+    sum of the magnitudes of the terms it sums."""
+    from dataclasses import replace
+
     from dctchop.cuda_decode import fused_group
     from dctchop.torch_decode import block_groups
 
     header = read_header(data)
     coded = read_stored(data, header.shape, header.dtype)
     groups = [fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)]
-    stored = qz.numeric(coded.stored, coded.precision)
-    got = _emulate_fused_kernel(groups, stored.astype(np.float64), coded.steps.astype(np.float64),
-                                math.prod(header.shape)).reshape(header.shape) + coded.offset  # added last
+    stored = qz.numeric(coded.stored, coded.precision).astype(np.float64)
+    steps, size = coded.steps.astype(np.float64), math.prod(header.shape)
+    value = _emulate_fused_kernel(groups, stored, steps, size).reshape(header.shape) + coded.offset  # added last
+    absolute = [replace(g, basis=g.basis.abs(), first_rows=g.first_rows.abs()) for g in groups]
+    magnitude = _emulate_fused_kernel(absolute, np.abs(stored), np.abs(steps), size).reshape(header.shape)
+    return value, magnitude + abs(coded.offset)
+
+
+@needs_torch
+@pytest.mark.parametrize("name, data", list(_chunks_to_check()), ids=lambda v: v if isinstance(v, str) else "")
+def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
+    header = read_header(data)
+    got, _ = _decoded_in_float64(data)
     ref = decode_chunk(data, header.shape, header.dtype)
     if ref.dtype.kind in "iu":
         info = np.iinfo(ref.dtype)
         got = np.clip(np.floor(got + 0.5), info.min, info.max)
     elif ref.dtype == np.float16:
         got = np.clip(got, -65504.0, 65504.0).astype(np.float16)
-    _assert_decodes_alike(got.astype(np.float32), ref)
-
-
-@needs_torch
-def test_the_scaled_basis_is_the_rest_basis_times_each_rows_step_and_splits_exactly_into_tf32():
-    from dctchop.cuda_decode import fused_group, scaled_basis, split_tf32
-    from dctchop.torch_decode import block_groups
-
-    data = dict(_chunks_to_check())["3d_triangle_edges"]
-    header = read_header(data)
-    coded = read_stored(data, header.shape, header.dtype)
-    steps = torch.as_tensor(np.stack([coded.steps, coded.steps * 3.7]), dtype=torch.float32)
-    for g in (fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)):
-        scaled = scaled_basis(g, steps)
-        assert scaled.shape == (2, g.n_first_bands, g.rows_pad, g.rest_pad)
-        for n, z, k in np.ndindex(2, g.n_first_bands, g.rows_pad):
-            step = steps[n, g.step_index[z, k]]
-            assert torch.equal(scaled[n, z, k], step * g.basis[k])
-        hi, lo = split_tf32(scaled)
-        assert torch.equal(hi + lo, scaled)  # exact
-        assert torch.all(hi.view(torch.int32) & 8191 == 0)  # and its first part is a TF32 value
-        assert torch.all(lo.abs() <= 2.0**-10 * scaled.abs())
-
-
-@needs_torch
-def test_the_fused_kernel_splits_the_stored_values_unless_they_are_exact_in_tf32():
-    from dctchop.cuda_decode import values_exact_in_tf32
-
-    small = read_stored(dict(_chunks_to_check())["nhwc_u8_psnr"], (5, 21, 30, 3), np.uint8)
-    assert small.precision == "int8" and small.level_bound <= 128
-    large = dict(_chunks_to_check())["3d_triangle_edges"]
-    large = read_stored(large, read_header(large).shape, np.float32)  # int16 scaled to the full range
-    assert large.level_bound > 2048 and np.abs(large.stored.astype(np.int64)).max() <= large.level_bound
-    as_tensor = lambda dtype: torch.zeros(1, dtype=dtype)
-    for dtype in (torch.int8, torch.float16, torch.bfloat16):
-        assert values_exact_in_tf32(as_tensor(dtype), math.inf)
-    assert values_exact_in_tf32(as_tensor(torch.int16), 2048.0)
-    assert not values_exact_in_tf32(as_tensor(torch.int16), 4096.0)
-    assert not values_exact_in_tf32(as_tensor(torch.float32), math.inf)
+    _assert_decodes_alike(got.astype(np.float32), ref, data)
 
 
 def _tf32(a: np.ndarray) -> np.ndarray:
@@ -1063,7 +1045,7 @@ def _check_interpreted_kernels(precision: str) -> None:
                                 level_bound)
             if last is not None:
                 got.add_(last[0]).mul_(last[1])
-            _assert_decodes_alike(got[1].numpy().astype(ref.dtype), ref)
+            _assert_decodes_alike(got[1].numpy().astype(ref.dtype), ref, data)
     first_last = {(w, exact) for w, fl, exact in kinds if fl}
     assert {(1, True), (1, False), (3, True), (4, False)} <= first_last and (8, False, False) in kinds, kinds
 
