@@ -27,18 +27,18 @@ H100 at torch's default precision, ``benchmarks/loader.py``; the other kernel's 
 An 8³ block costs 8 + 64 multiply-adds per value instead of 1024.
 
 Precision. ``decode_first_last`` multiplies the stored values as they are by the rest basis with each chunk's
-steps folded in (:func:`scaled_basis`, made before each launch: 16 KB per chunk and first-axis band), and follows torch's
-float32 matmul setting. At ``"highest"`` (torch's default) the scaled basis is split into its TF32 part and
-the float32 rest (:func:`split_tf32`), which gives float32-level error (checked against the numba path by
-the tests) in two TF32 products where the stored values are exact in TF32 (:func:`values_exact_in_tf32`:
-int8, float16 and bfloat16 values, and integers up to 2**11, which the bit-plane masks bound for free), and
-in three where they are not (the values split in the kernel, as in Triton's tf32x3, which also splits the
-basis in every program). ``"high"`` or ``"medium"`` allow one TF32 product, the basis rounded to 10 mantissa
-bits: 8x8 blocks 1066-1144 GB/s, colour blocks 693-743. Folding the steps into the basis instead of
-multiplying every value took 8x8 blocks from 739-773 to 810-833 GB/s and colour blocks from 568-574 to
-607-648 at ``"highest"`` (runs alternating on one H100). ``decode_first_inside`` sums over the
-first axis before its matmul, so the steps cannot move into its basis; it always takes three products: one
-measured slower on an H100 (433-442 against 530-541 GB/s, three runs).
+steps folded in (:func:`scaled_basis`, made before each launch: 16 KB per chunk and first-axis band), and
+follows torch's float32 matmul setting. At ``"highest"`` (torch's default) the scaled basis is split into its
+TF32 part and the float32 rest (:func:`split_tf32`), which gives float32-level error (checked against the numba
+path by the tests) in two TF32 products where the stored values are exact in TF32
+(:func:`values_exact_in_tf32`: int8, float16 and bfloat16 values, and integers up to 2**11, which the bit-plane
+masks bound for free), and in three where they are not (the values split in the kernel, as in Triton's tf32x3,
+which also splits the basis in every program). ``"high"`` or ``"medium"`` allow one TF32 product, the basis
+rounded to 10 mantissa bits: 8x8 blocks 1066-1144 GB/s, colour blocks 693-743. Folding the steps into the basis
+instead of multiplying every value took 8x8 blocks from 739-773 to 810-833 GB/s and colour blocks from 568-574
+to 607-648 at ``"highest"`` (runs alternating on one H100). ``decode_first_inside`` sums over the first axis
+before its matmul, so the steps cannot move into its basis; it always takes three products: one measured slower
+on an H100 (433-442 against 530-541 GB/s, three runs).
 """
 
 from __future__ import annotations
