@@ -992,6 +992,44 @@ def test_fused_kernel_tables_reproduce_the_numba_path(name, data):
     _assert_decodes_alike(got.astype(np.float32), ref, data)
 
 
+@needs_torch
+def test_the_scaled_basis_is_the_rest_basis_times_each_rows_step_and_splits_exactly_into_tf32():
+    from dctchop.cuda_decode import fused_group, scaled_basis, split_tf32
+    from dctchop.torch_decode import block_groups
+
+    data = dict(_chunks_to_check())["3d_triangle_edges"]
+    header = read_header(data)
+    coded = read_stored(data, header.shape, header.dtype)
+    steps = torch.as_tensor(np.stack([coded.steps, coded.steps * 3.7]), dtype=torch.float32)
+    for g in (fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)):
+        scaled = scaled_basis(g, steps)
+        assert scaled.shape == (2, g.n_first_bands, g.rows_pad, g.rest_pad)
+        for n, z, k in np.ndindex(2, g.n_first_bands, g.rows_pad):
+            step = steps[n, g.step_index[z, k]]
+            assert torch.equal(scaled[n, z, k], step * g.basis[k])
+        hi, lo = split_tf32(scaled)
+        assert torch.equal(hi + lo, scaled)  # exact
+        assert torch.all(hi.view(torch.int32) & 8191 == 0)  # and its first part is a TF32 value
+        assert torch.all(lo.abs() <= 2.0**-10 * scaled.abs())
+
+
+@needs_torch
+def test_the_fused_kernel_splits_the_stored_values_unless_they_are_exact_in_tf32():
+    from dctchop.cuda_decode import values_exact_in_tf32
+
+    small = read_stored(dict(_chunks_to_check())["nhwc_u8_psnr"], (5, 21, 30, 3), np.uint8)
+    assert small.precision == "int8" and small.level_bound <= 128
+    large = dict(_chunks_to_check())["3d_triangle_edges"]
+    large = read_stored(large, read_header(large).shape, np.float32)  # int16 scaled to the full range
+    assert large.level_bound > 2048 and np.abs(large.stored.astype(np.int64)).max() <= large.level_bound
+    as_tensor = lambda dtype: torch.zeros(1, dtype=dtype)
+    for dtype in (torch.int8, torch.float16, torch.bfloat16):
+        assert values_exact_in_tf32(as_tensor(dtype), math.inf)
+    assert values_exact_in_tf32(as_tensor(torch.int16), 2048.0)
+    assert not values_exact_in_tf32(as_tensor(torch.int16), 4096.0)
+    assert not values_exact_in_tf32(as_tensor(torch.float32), math.inf)
+
+
 def _tf32(a: np.ndarray) -> np.ndarray:
     """float32 ``a`` as the tensor cores read it in TF32: its top 11 significant bits."""
     return (a.astype(np.float32).view(np.int32) & np.int32(-8192)).view(np.float32)
