@@ -384,7 +384,8 @@ class Loader:
     device : str or torch.device, optional
         Where batches go. With ``device_decode`` (default) only the stored coefficients are copied there
         and decoded on the device (fused Triton kernels, one launch per block group, where Triton is
-        installed, else batched matmuls); otherwise batches are decoded on the host into pinned memory (for CUDA) and copied.
+        installed, else batched matmuls); otherwise batches are decoded on the host into pinned memory (for
+        CUDA) and copied.
     worker, num_workers : int
         Sub-shares of this rank's share, each of its samples in one (:class:`dctchop.TorchDataset` sets
         these in DataLoader workers; their batch counts may differ, the DataLoader merges them).
