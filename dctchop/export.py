@@ -14,7 +14,7 @@ import numpy as np
 
 from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.inspect import open_store, read_rows, require_intact
-from dctchop.location import Location, store_holding
+from dctchop.location import Location, refuse_special_file, store_holding
 from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges, temporary_file
 
 
@@ -53,6 +53,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
         raise DctchopError(f"output {output} must not be inside the Zarr store {holder}")
     if output.is_dir():
         raise DctchopError(f"output {output} is a directory; name a .npy or .h5 file")
+    refuse_special_file(output, output)
     if output.exists() and not overwrite:
         raise output_exists(output)
     lossless = set(info.get("lossless", []))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from functools import cached_property
 from pathlib import Path
 
@@ -27,6 +28,17 @@ def store_holding(path: Path) -> Path | None:
     """The Zarr store (a directory with a zarr.json) that ``path`` would be written inside, or None. A file
     put there would become part of that store: its groups, its sizes, what --overwrite replaces."""
     return next((p for p in Path(path).resolve().parents if (p / "zarr.json").is_file()), None)
+
+
+def refuse_special_file(path: Path, output) -> None:
+    """Refuse to replace an output ``path`` that is a device, FIFO or socket: only a file, a link or a store is
+    ever replaced (run as root, ``--overwrite`` once turned ``/dev/null`` into a directory)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:  # absent (or unreachable: writing it will say so)
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+        raise DctchopError(f"output {output} is a device, FIFO or socket, not a file; refusing to replace it")
 
 
 class Location:

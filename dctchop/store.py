@@ -54,7 +54,7 @@ from dctchop.errors import CorruptChunkError, DctchopError, first_line, output_e
 from dctchop.formats import Source, SourceArray
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
 from dctchop.layout import colour_axis, infer_axes
-from dctchop.location import Location, store_holding
+from dctchop.location import Location, refuse_special_file, store_holding
 from dctchop.transform import check_blocks, make_plan, per_axis, resolve_threads
 
 # 3: every chunk of the lossless copies is written, even one of fill values, so a missing one is damage;
@@ -410,6 +410,7 @@ def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
             raise DctchopError(f"output {output} must not be inside the Zarr store {holder}")
         if not output.is_url and not out.parent.is_dir():  # a file:// URL makes its parents, as object stores
             raise DctchopError(f"output directory {output.path.parent} does not exist")
+        refuse_special_file(local, output)
     if output.exists() and not overwrite:
         raise output_exists(output)
     if output.is_dir() and not is_dctchop_store(output):

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -671,6 +672,20 @@ def test_overwrite_regular_file_leaves_nothing_behind(data, tmp_path):
     ok(run("compress", data.npy, out, "--keep", "4", "--overwrite", "--quiet"))
     assert out.is_dir()
     assert sorted(os.listdir(tmp_path)) == ["ow.zarr"]
+
+
+def test_overwrite_never_replaces_a_fifo_or_device(data, psnr45, tmp_path):
+    """Run as root, `--overwrite` once made /dev/null a directory. A FIFO stands in for a device (making one
+    needs no privileges); /dev/null itself only without --overwrite, which cannot harm it if this regresses."""
+    fifo = tmp_path / "pipe.npy"
+    os.mkfifo(fifo)
+    for args in [("compress", data.npy, fifo, "--overwrite"), ("compress", data.npy, f"file://{fifo}", "--overwrite"),
+                 ("compress", data.npy, fifo), ("decompress", psnr45.store, fifo, "--overwrite")]:
+        user_error(run(*args), f"{fifo} is a device, FIFO or socket, not a file; refusing to replace it")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["pipe.npy"]
+    user_error(run("compress", data.npy, "/dev/null"), "/dev/null is a device")
+    assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
 
 
 def test_compress_refuses_an_output_inside_a_store_and_says_why_nothing_is_lossy(data, tmp_path):
