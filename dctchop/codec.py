@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 import struct
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
@@ -107,6 +108,10 @@ class ChunkSettings:
     weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("step", "target_psnr", "peak"):
+            object.__setattr__(self, name, _real(getattr(self, name), name))
+        if self.weights is not None:
+            object.__setattr__(self, "weights", tuple(_real(w, "weights") for w in self.weights))
         qz.check_precision(self.precision)
         if self.mask not in MASKS:
             raise DctchopError(f"mask must be one of {', '.join(MASKS)}, got {self.mask!r}")
@@ -117,6 +122,22 @@ class ChunkSettings:
             raise DctchopError(f"step and target_psnr apply to int8/int16, not {self.precision}")
         if self.step is not None and not (math.isfinite(self.step) and self.step > 0):
             raise DctchopError(f"step must be a positive number, got {self.step}")
+        if self.target_psnr is not None and not 0 < self.target_psnr < qz.MAX_PSNR:
+            raise DctchopError(f"target_psnr must be a number of dB between 0 and {qz.MAX_PSNR}, got {self.target_psnr}")
+        if self.peak is not None and not (math.isfinite(self.peak) and self.peak > 0):
+            raise DctchopError(f"peak must be a positive number, got {self.peak}")
+        bad = [w for w in self.weights or () if not (math.isfinite(w) and w > 0)]
+        if bad:
+            raise DctchopError(f"weights must be positive numbers; {len(bad)} are not, the first {bad[0]}")
+
+
+def _real(value, name: str) -> float | None:
+    """A number setting as a float (NumPy scalars included, which JSON would not take); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise DctchopError(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 # ---------------------------------------------------------------------------------------------- encode
@@ -269,7 +290,7 @@ def _serialize(c: Coefficients, settings: ChunkSettings, steps: np.ndarray, stor
         payload, flags = stored.tobytes(), 0
     else:  # what the decoder refuses is never written (float64 data far below 1 in float16 steps)
         raise DctchopError(f"coefficients overflow {settings.precision}; scale the data or use another precision")
-    return _header(c.shape, c.dtype, settings, None if unit else steps, stored.size, flags, c.offset) + payload
+    return _header(c.dtype, settings, c.plan, None if unit else steps, stored.size, flags, c.offset) + payload
 
 
 def _encode(x: np.ndarray, settings: ChunkSettings, threads: int, measure: bool,
@@ -600,8 +621,11 @@ def _step_table(steps: np.ndarray) -> tuple[bytes, int]:
     return struct.pack("<dI", common, differ.size) + pairs.tobytes(), FLAG_STEP_TABLE
 
 
-def _header(shape, dtype, settings: ChunkSettings, steps, n_values: int, flags: int, offset: float) -> bytes:
-    naxes = len(settings.axes)
+def _header(dtype, settings: ChunkSettings, plan: TransformPlan, steps, n_values: int, flags: int,
+            offset: float) -> bytes:
+    """The chunk's header; axes, block and keep as the plan has them (axes counted from 0, one block and keep
+    per axis), whatever the settings said (``axes=(-2, -1)``, ``block=(8,)``)."""
+    shape, naxes = plan.shape, len(plan.axes)
     table = b""
     if steps is not None:
         table, table_flag = _step_table(np.asarray(steps, dtype=np.float64))
@@ -612,7 +636,7 @@ def _header(shape, dtype, settings: ChunkSettings, steps, n_values: int, flags: 
         _FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[np.dtype(dtype).newbyteorder("=")],
                     PRECISION_CODES[settings.precision], MASKS.index(settings.mask), len(shape), naxes, flags),
         struct.pack(f"<{len(shape)}I", *shape),
-        struct.pack(f"<{3 * naxes}B", *settings.axes, *settings.block, *settings.keep),
+        struct.pack(f"<{3 * naxes}B", *plan.axes, *plan.block, *plan.keep),
         struct.pack("<I", 0 if steps is None else len(steps)),
         table,
         struct.pack("<Q", n_values),
@@ -891,7 +915,8 @@ def _native_dtype(dtype: Any) -> np.dtype:
 
 
 def _int_tuple(value, name: str) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, (int, np.integer)) for v in value):
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
         raise DctchopError(f"dctchop codec: {name} must be a non-empty list of integers, got {value!r}")
     return tuple(int(v) for v in value)
 
@@ -918,9 +943,9 @@ class DctChopCodec(ArrayBytesCodec):
     def __post_init__(self) -> None:
         for name in ("axes", "block", "keep"):
             object.__setattr__(self, name, _int_tuple(getattr(self, name), name))
-        if self.weights is not None:
-            object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
-        self.settings  # validate  # noqa: B018
+        settings = self.settings  # validated, its numbers as floats
+        for name in ("step", "target_psnr", "peak", "weights"):
+            object.__setattr__(self, name, getattr(settings, name))
 
     @property
     def settings(self) -> ChunkSettings:
@@ -932,8 +957,8 @@ class DctChopCodec(ArrayBytesCodec):
         _, config = parse_named_configuration(data, CODEC_NAME)
         config = dict(config or {})
         version = config.pop("format_version", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
-            raise DctchopError(f"dctchop codec format_version {version} is not supported by this dctchop "
+        if type(version) is not int or version != FORMAT_VERSION:
+            raise DctchopError(f"dctchop codec format_version {version!r} is not supported by this dctchop "
                                f"(reads version {FORMAT_VERSION})")
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(config) - known
@@ -963,10 +988,16 @@ class DctChopCodec(ArrayBytesCodec):
         if native.newbyteorder("=") not in DTYPE_CODES:
             raise DctchopError(f"dctchop codec does not support dtype {native}")
         chunk_shape = getattr(chunk_grid, "chunk_shape", shape)
-        make_plan(chunk_shape, self.axes, self.block, self.keep, self.mask)
+        _weights(self.settings, make_plan(chunk_shape, self.axes, self.block, self.keep, self.mask))
 
     def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
         x = np.asarray(chunk_array.as_numpy_array())
+        fill = chunk_spec.fill_value
+        if x.dtype.kind == "f" and not np.isfinite(fill) and not np.isfinite(x).all():
+            raise DctchopError(f"dctchop codec: the chunk holds NaN or infinite values, which it cannot store; "
+                               f"zarr fills what a write leaves out of a chunk (and an edge chunk past the "
+                               f"array's end) with the fill_value, here {fill}: create the array with a finite "
+                               "fill_value")
         return chunk_spec.prototype.buffer.from_bytes(encode_chunk(x, self.settings))
 
     def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:

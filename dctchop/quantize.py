@@ -367,6 +367,10 @@ def error_stats(x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None) ->
     return float(sse), float(worst)
 
 
+# The highest PSNR target taken (dB); float64's own rounding lies about 310 dB below the peak.
+MAX_PSNR = 400
+
+
 def psnr(mse: float, peak: float) -> float:
     """20 log10(peak) - 10 log10(MSE); +inf for an exact reconstruction."""
     if mse <= 0:

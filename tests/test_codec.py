@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -992,6 +993,74 @@ def test_codec_from_dict_defaults_and_errors():
                 _config(precision="int8", step=-1.0)):
         with pytest.raises(DctchopError):
             DctChopCodec.from_dict(bad)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("format_version", True, "format_version True is not supported"),
+    ("format_version", 1.0, "format_version 1.0 is not supported"),
+    ("format_version", "1", "format_version '1' is not supported"),
+    ("axes", [True, 2], "axes must be a non-empty list of integers"),
+    ("target_psnr", "40", "target_psnr must be a number, got '40'"),
+    ("target_psnr", math.nan, "target_psnr must be a number of dB between 0 and 400, got nan"),
+    ("target_psnr", math.inf, "between 0 and 400, got inf"),
+    ("target_psnr", -5, "between 0 and 400, got -5.0"),
+    ("target_psnr", 1e6, "between 0 and 400"),
+    ("peak", "x", "peak must be a number"),
+    ("peak", -1.0, "peak must be a positive number, got -1.0"),
+    ("peak", math.nan, "peak must be a positive number, got nan"),
+    ("weights", [1.0] * 15 + [math.nan], "weights must be positive numbers; 1 are not, the first nan"),
+    ("weights", [0.0] * 16, "16 are not, the first 0.0"),
+    ("weights", [1.0] * 15 + [-1.0], "the first -1.0"),
+])
+def test_codec_from_dict_refuses_a_bad_value_when_read(field, value, message):
+    """Each wrong value fails where the configuration is read, naming itself: none may wait for a write to
+    fail with a TypeError or struct.error, or be taken (a negative peak as if positive, NaN weights)."""
+    config = _config(precision="int16", target_psnr=40.0)["configuration"] | {field: value}
+    with pytest.raises(DctchopError, match=re.escape(message)):
+        DctChopCodec.from_dict({"name": "dctchop", "configuration": config})
+
+
+def test_codec_takes_numpy_scalars_and_writes_them_as_json_numbers(tmp_path):
+    codec = DctChopCodec(axes=(1, 2), block=(8, 8), keep=(8, 8), precision="int16", step=np.float32(0.5),
+                         weights=np.full(64, 2.0))
+    assert type(codec.step) is float and all(type(w) is float for w in codec.weights)
+    assert DctChopCodec.from_dict(json.loads(json.dumps(codec.to_dict()))) == codec
+    _create(tmp_path / "s.zarr", codec, (2, 8, 8), (2, 8, 8), "float32")  # its zarr.json is written
+
+
+def test_codec_weights_of_the_wrong_length_are_refused_when_the_array_is_made(tmp_path):
+    codec = DctChopCodec(axes=(1, 2), block=(8, 8), keep=(4, 4), precision="int16", step=1.0, weights=(1.0,) * 64)
+    with pytest.raises(DctchopError, match="weights need one value per band \\(16\\), got 64"):
+        _create(tmp_path / "s.zarr", codec, (2, 8, 8), (2, 8, 8), "float32")
+
+
+def test_negative_axes_and_one_block_for_all_axes_write_the_same_chunk():
+    """The header stores the plan's axes (from 0) and one block and keep per axis, whatever the settings say."""
+    x = smooth_uint8_stack(n=2, h=16, w=16).astype(np.float32)
+    reference = encode_chunk(x, ChunkSettings((1, 2), (8, 8), (4, 4)))
+    for same in (ChunkSettings((-2, -1), (8, 8), (4, 4)), ChunkSettings((1, 2), (8,), (4,)),
+                     ChunkSettings((-2, 2), (8,), (4, 4))):
+        assert encode_chunk(x, same) == reference
+
+
+def test_zarr_array_with_negative_axes_writes_and_reads(tmp_path):
+    x = smooth_uint8_stack(n=4, h=16, w=16)
+    arr = _create(tmp_path / "s.zarr", DctChopCodec(axes=(-2, -1), block=(8, 8), keep=(8, 8)), x.shape, (2, 16, 16),
+                  "uint8")
+    arr[...] = x
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "s.zarr" / "data"))[...], x)
+
+
+def test_nan_fill_value_is_named_when_zarr_pads_a_chunk_with_it(tmp_path):
+    """zarr fills what a write leaves out of a chunk with the fill_value; NaN there cannot be stored, and the
+    error must say it is the fill_value, not the (finite) data."""
+    x = np.random.default_rng(0).random((20, 16, 16), dtype=np.float32)
+    arr = zarr.create_array(zarr.storage.MemoryStore(), shape=x.shape, chunks=(8, 16, 16), dtype="float32",
+                            serializer=DctChopCodec(axes=(1, 2), block=(8, 8), keep=(8, 8)), fill_value=np.nan)
+    arr[:16] = x[:16]  # whole chunks: nothing padded
+    np.testing.assert_allclose(arr[:16], x[:16], atol=1e-5)
+    with pytest.raises(DctchopError, match="fill_value, here nan: create the array with a finite fill_value"):
+        arr[16:] = x[16:]  # the edge chunk, padded past the array's end
 
 
 def test_codec_scalar_block_raises_dctchop_error():
