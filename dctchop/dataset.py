@@ -529,6 +529,9 @@ class Dataset:
         except KeyError:
             raise DctchopError(f"{self.path}: array {name} is listed in the store's attributes but missing; "
                                "the store is damaged") from None
+        except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
+            raise DctchopError(f"{self.path}: array {name}: its metadata cannot be opened, the store is damaged "
+                               f"({type(e).__name__}: {first_line(e)})") from None
         if not isinstance(array, zarr.Array):
             raise DctchopError(f"{self.path}: {name} is a group, not an array")
         return array

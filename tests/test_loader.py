@@ -822,6 +822,14 @@ def test_an_integer_device_without_an_accelerator(image_store):
 def test_dtype_and_threads_as_numpy_and_the_rest_of_the_library_take_them(image_store):
     loader = dctchop.Loader(image_store, batch_size=4, dtype=np.float16, threads=0)
     assert next(iter(loader))[0].dtype == np.float16 and loader.threads >= 1
+    assert dctchop.open(image_store, threads=np.int64(2))._threads == 2
+
+
+@pytest.mark.parametrize("threads", ["x", [1], 2.5, True, -1])
+def test_open_refuses_threads_that_are_not_a_count(image_store, threads):
+    """As the Loader does: it used to be a TypeError from a comparison, or 2.5 threads taken."""
+    with pytest.raises(DctchopError, match="threads must be a non-negative integer"):
+        dctchop.open(image_store, threads=threads)
 
 
 @pytest.fixture(scope="module")

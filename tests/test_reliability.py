@@ -624,6 +624,23 @@ def test_damaged_store_structure(tmp_path, good_store, damage):
         assert_no_output(out)
 
 
+@pytest.mark.parametrize("content", ["{}", "garbage"])
+def test_open_and_preview_name_damaged_array_metadata(tmp_path, good_store, content):
+    """zarr's MetadataValidationError (no node_type) reached preview as an internal error (exit 3)."""
+    import dctchop
+    from dctchop.errors import DctchopError
+
+    store = copy_store(good_store, tmp_path)
+    (store / "data" / "zarr.json").write_text(content)
+    with pytest.raises(DctchopError, match="array data: its metadata cannot be opened, the store is damaged"):
+        dctchop.open(store)
+    if importlib.util.find_spec("matplotlib") is not None:
+        out = tmp_path / "p.png"
+        user_error(run("preview", store, "--out", out, "--source", good_store.parent / "images.npy"),
+                   "array data: its metadata cannot be opened")
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
 def test_damaged_group_metadata_is_found(tmp_path, damage):
     """A group whose zarr.json was deleted dropped out of decompress with its attributes (exit 0); a
