@@ -14,7 +14,7 @@ import numpy as np
 
 from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.inspect import open_store, read_rows, require_intact
-from dctchop.location import Location, refuse_special_file, store_holding
+from dctchop.location import Location, is_url, refuse_special_file, store_holding
 from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges, temporary_file
 
 
@@ -34,6 +34,8 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     """
     group, info = open_store(store)
     require_intact(store, info)
+    if is_url(output):
+        raise DctchopError(f"output {output} is a URL; decompress writes a local .npy or .h5 file")
     if os.fspath(output).endswith(("/", os.sep)):
         raise DctchopError(f"output {output} names a directory; name a .npy or .h5 file")
     output = Path(output)
@@ -54,7 +56,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     if output.is_dir():
         raise DctchopError(f"output {output} is a directory; name a .npy or .h5 file")
     refuse_special_file(output, output)
-    if output.exists() and not overwrite:
+    if os.path.lexists(output) and not overwrite:  # a link to nothing too
         raise output_exists(output)
     lossless = set(info.get("lossless", []))
     arrays = {n: LosslessCopy(group[n], info, n) if n in lossless else group[n] for n in names}

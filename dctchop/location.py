@@ -109,9 +109,10 @@ class Location:
     # ------------------------------------------------------------------------------------------ reading
 
     def exists(self, key: str = "") -> bool:
+        """Whether anything is there: a symbolic link too, even one to nothing (which a rename must replace)."""
         if self.is_url:
             return self._fs[0].exists(self._key_path(key))
-        return os.path.exists(self._key_path(key))
+        return os.path.lexists(self._key_path(key))
 
     def is_dir(self) -> bool:
         if self.is_url:

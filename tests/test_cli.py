@@ -688,6 +688,23 @@ def test_overwrite_never_replaces_a_fifo_or_device(data, psnr45, tmp_path):
     assert stat.S_ISCHR(os.lstat("/dev/null").st_mode)
 
 
+def test_an_output_that_is_a_link_to_nothing_exists(data, psnr45, tmp_path):
+    """compress failed after all its work with 'Not a directory' on a dangling link; decompress replaced it
+    without --overwrite. Both now treat it as an existing output, and --overwrite replaces the link only."""
+    for out, args in ((tmp_path / "dl.zarr", ("compress", data.npy)),
+                      (tmp_path / "dl.npy", ("decompress", psnr45.store))):
+        out.symlink_to(tmp_path / "nowhere")
+        user_error(run(*args, out), f"output {out} exists")
+        assert out.is_symlink()
+        ok(run(*args, out, "--overwrite"))
+        assert not out.is_symlink() and out.exists() and not (tmp_path / "nowhere").exists()
+
+
+def test_decompress_refuses_a_url_output(psnr45, tmp_path):
+    user_error(run("decompress", psnr45.store, f"file://{tmp_path}/x.h5"), "is a URL; decompress writes a local")
+    assert os.listdir(tmp_path) == []
+
+
 def test_compress_refuses_an_output_inside_a_store_and_says_why_nothing_is_lossy(data, tmp_path):
     store = tmp_path / "a.zarr"
     ok(run("compress", data.field_npy, store, "--quiet"))
