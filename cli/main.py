@@ -181,7 +181,8 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
         from dctchop.store import json_safe
 
         click.echo(json.dumps(json_safe({**summary, "left_out": list(source.left_out),
-                                         "dropped_attributes": list(source.dropped_attrs)}), indent=2))
+                                         "dropped_attributes": list(source.dropped_attrs),
+                                         "dropped_links": list(source.dropped_links)}), indent=2))
     elif not quiet:
         for name, a in summary["arrays"].items():
             click.echo(f"{name}: {a['shape']} {a['dtype']}, layout {a['layout']}, transformed axes {a['axes']}, "
@@ -197,6 +198,8 @@ def compress(input_path, output, datasets, lossless, follow_external, axes, keep
             click.echo(f"left out (--dataset names the datasets to compress): {', '.join(source.left_out)}")
         if source.dropped_attrs:
             click.echo(f"attributes not kept (JSON cannot hold their values): {', '.join(source.dropped_attrs)}")
+        if source.dropped_links:
+            click.echo(f"soft links not kept (they name nothing in the file): {', '.join(source.dropped_links)}")
         t = summary["totals"]
         click.echo(f"done in {t['seconds']:.2f} s, {t['mb_per_s']:.1f} MB/s -> {output}")
 

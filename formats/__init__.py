@@ -156,6 +156,9 @@ class Source:
         ``path@name`` of every attribute of a stored group or dataset that the store cannot keep, because
         JSON cannot hold its value (complex numbers, references, bytes that are not UTF-8, opaque data, ...)
         or h5py cannot read it, sorted, so that a caller can say what the store will lack.
+    dropped_links : tuple of str
+        ``path -> target`` of every HDF5 soft link that names nothing in the file (a dangling link), sorted:
+        the store records only links to what it holds.
     """
 
     path: str
@@ -169,6 +172,7 @@ class Source:
     attr_dtypes: dict[str, dict[str, str]] = field(default_factory=dict)
     enums: dict[str, dict[str, int]] = field(default_factory=dict)
     dropped_attrs: tuple[str, ...] = ()
+    dropped_links: tuple[str, ...] = ()
 
     def __hash__(self) -> int:  # groups is a dict: hash the identifying fields only
         return hash((self.path, self.kind, self.lossy, self.lossless))

@@ -294,6 +294,7 @@ class _Walk:
         self.datasets: list[tuple[str, object]] = []  # (path, h5py.Dataset)
         self.problems: list[tuple[str, str]] = []  # (path, reason) for links that could not be taken
         self.soft_links: list[tuple[str, str]] = []  # (path, absolute target path as written in the link)
+        self.unnamed: list[str] = []  # "path -> target" of soft links with "." or "..", which HDF5 never resolves
         self._paths: dict = {f["/"].id: "/"}  # object id -> the path it is taken under (its first hard link)
         self._hard: dict = {}  # object id -> its other hard-link paths
         self._follow = follow_external
@@ -312,6 +313,8 @@ class _Walk:
             if isinstance(link, h5py.SoftLink):  # in-file alias: its target is taken at its own hard-link path
                 if not {".", ".."} & set(link.path.split("/")):  # HDF5 has no such names: the link names nothing
                     self.soft_links.append((path, posixpath.normpath(posixpath.join(prefix, link.path))))
+                else:
+                    self.unnamed.append(f"{path} -> {link.path}")
                 continue
             if isinstance(link, h5py.ExternalLink) and not self._follow:
                 reason = (
@@ -362,6 +365,17 @@ class _Walk:
                 found.append((path, stored[oid], "soft"))
         names = {name for _, name in stored_names}
         return sorted(link for link in found if not any(n == link[0] or n.startswith(link[0] + "/") for n in names))
+
+    def dangling(self, f, file: str) -> list[str]:
+        """``path -> target`` of every soft link that names nothing in the file (its target does not exist, or
+        lies behind an external link that is not followed), sorted: the store cannot keep them."""
+        found = list(self.unnamed)
+        for path, written in self.soft_links:
+            try:
+                _lookup(f, written, self._follow, file, self)
+            except DctchopError:
+                found.append(f"{path} -> {written}")
+        return sorted(found)
 
     def ids(self):
         """(object id, the path it is taken under) of every group and dataset of the walk."""
@@ -504,6 +518,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         kept += forced
         stored = [(ds.id, name) for name, ds in lossy + kept] + [(oid, p) for oid, p in walk.ids() if p in groups]
         links = tuple(walk.links(f, file, stored))
+        dropped_links = tuple(walk.dangling(f, file))
         attributes = {**groups, **{name: _attributes(ds) for name, ds in lossy + kept}}  # of what is stored
         attr_dtypes = {path: a.dtypes for path, a in attributes.items() if a.dtypes}
         dropped_attrs = sorted(f"{path}@{key}" for path, a in attributes.items() for key in a.dropped)
@@ -521,7 +536,8 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
     f.close()
     return Source(path=file, kind="hdf5", lossy=tuple(lossy), lossless=tuple(kept), groups=groups,
                   follow_external=follow_external, left_out=tuple(sorted(left_out)), links=links,
-                  attr_dtypes=attr_dtypes, enums=enums, dropped_attrs=tuple(dropped_attrs))
+                  attr_dtypes=attr_dtypes, enums=enums, dropped_attrs=tuple(dropped_attrs),
+                  dropped_links=dropped_links)
 
 
 class _Handle:

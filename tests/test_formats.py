@@ -612,8 +612,10 @@ def test_hdf5_soft_and_hard_links(tmp_path):
         f["data/rel"] = h5py.SoftLink("x")
         f["hard"] = f["data/x"]  # a second hard link to the same object
         f["dangling"] = h5py.SoftLink("/nowhere")
+        f["data/up"] = h5py.SoftLink("../data/x")  # HDF5 has no "..": it names nothing either
     src = open_source(path)
     assert names(src.lossy) == ["/data/x"]  # each object once, aliases not duplicated
+    assert src.dropped_links == ("/dangling -> /nowhere", "/data/up -> ../data/x")  # said, not silently lost
     # the aliases of what is stored, resolved to the object's own path; the dangling link names nothing
     assert src.links == (("/alias", "/data/x", "soft"), ("/data/rel", "/data/x", "soft"),
                          ("/hard", "/data/x", "hard"))
