@@ -193,6 +193,17 @@ def verify_store(path: str | Path, source_path: str | Path) -> dict:
     return _verify(group, info, source_path)
 
 
+def source_mismatch(source_path, src, entry: dict) -> str | None:
+    """Why the input array ``src`` (None: the file has none of the recorded name) cannot be what the stored
+    array ``entry`` was made from; None when it can."""
+    if src is None:
+        return f"{source_path} has no array {entry['source']}"
+    if list(src.shape) != list(entry["shape"]) or str(src.dtype) != entry["dtype"]:
+        return (f"{source_path}: {src.name} is {src.dtype}{list(src.shape)}, not the "
+                f"{entry['dtype']}{list(entry['shape'])} the store was made from")
+    return None
+
+
 def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
     """:func:`verify_store` of a store whose chunk files are known to be intact."""
     if info["source"]["kind"] == "npy" or str(source_path).lower().endswith(".npy"):
@@ -206,9 +217,9 @@ def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
     report = {}
     for name, a in info["arrays"].items():
         src = by_name.get(a["source"])
-        if src is None or list(src.shape) != a["shape"] or str(src.dtype) != a["dtype"]:
-            raise DctchopError(f"{source_path} has no array {a['source']} of shape {a['shape']} and dtype "
-                               f"{a['dtype']} to verify {name} against")
+        why = source_mismatch(source_path, src, a)
+        if why:
+            raise DctchopError(f"{why}: cannot verify {name} against it")
         arr = group[name]
         table = chunk_table(group, name)
         mismatches = []

@@ -242,6 +242,7 @@ def open_original(source_path: str, entry: dict, recorded: bool, follow_external
     """The :class:`~dctchop.formats.SourceArray` a store array was made from, checked for shape and dtype
     (``follow_external``: the store was made following the source's external links)."""
     from dctchop.formats import open_source
+    from dctchop.inspect import source_mismatch
 
     if recorded and not os.path.exists(source_path):
         raise DctchopError(f"the store's source {source_path} does not exist; pass --source INPUT")
@@ -251,9 +252,9 @@ def open_original(source_path: str, entry: dict, recorded: bool, follow_external
         source = open_source(source_path, datasets=[entry["source"]], follow_external=follow_external)
     candidates = [a for a in source.arrays if a.name == entry["source"] or source.kind == "npy"]
     src = candidates[0] if candidates else None
-    if src is None or list(src.shape) != list(entry["shape"]) or str(src.dtype) != entry["dtype"]:
-        raise DctchopError(f"{source_path} has no array {entry['source']} of shape {entry['shape']} and dtype "
-                           f"{entry['dtype']}; pass the input the store was made from with --source")
+    why = source_mismatch(source_path, src, entry)
+    if why:
+        raise DctchopError(f"{why}; pass the input the store was made from with --source")
     return src
 
 

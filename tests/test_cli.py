@@ -876,6 +876,15 @@ def test_inspect_verify_float_json(data, field_store):
     assert a["psnr_min"] >= 60 - PSNR_TOL
 
 
+def test_inspect_verify_against_another_array_says_what_it_holds(data, field_store, tmp_path):
+    """It said 'other.npy has no array field of shape ...': the stem of the file the store was made from."""
+    other = tmp_path / "other.npy"
+    np.save(other, np.zeros((3, 3), np.float32))
+    shape = list(data.field.shape)
+    user_error(run("inspect", field_store.store, "--verify", other),
+               f"{other}: other is float32[3, 3], not the float32{shape} the store was made from: cannot verify data")
+
+
 def test_inspect_with_verify_checks_the_chunk_files_once(data, field_store, monkeypatch):
     """The damage check that inspect makes is the one verification relies on: not a second pass."""
     import dctchop.inspect as inspect_module

@@ -174,7 +174,8 @@ def test_preview_errors(stores, tmp_path, capsys):
           "--index 1 is out of range", "1 sample")
     fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--source", IMAGES, "--index", "1280"), 1,
           "--index 1280 is out of range", "1280 samples (indices 0..1279)")
-    fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--source", FIELD), 1, "no array", "--source")
+    fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--source", FIELD), 1,
+          "field is float32[64, 64, 64], not the uint8[1280, 32, 32, 3] the store was made from", "--source")
     for name in ("labels", "/labels"):  # HDF5's leading slash is the same name
         fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--array", name), 1,
               "no compressed array 'labels'")
