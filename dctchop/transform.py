@@ -658,6 +658,9 @@ def _is_rows3(p: AxisPlan, n_inner: int) -> bool:
 # ---------------------------------------------------------------------------------------------- threads
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
+# A forked child (a torch DataLoader worker) inherits the pools but none of their threads: work sent to them
+# would wait forever. It makes its own.
+os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
 import re
 import struct
 import subprocess
@@ -322,6 +324,29 @@ def test_strips_decode_like_one_slab(channels_first, threads, monkeypatch):
     assert decode_chunk(data, x.shape, x.dtype, threads, out=out, channels_first=channels_first) is out
     np.testing.assert_array_equal(out, whole)
     assert np.mean(np.abs(out.astype(float) - (np.moveaxis(x, -1, 1) if channels_first else x))) < 2
+
+
+def _decode_in_child(data, shape, dtype, queue):
+    queue.put(decode_chunk(data, shape, dtype, 2))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_decodes_with_threads_after_its_parent_did():
+    """A torch DataLoader worker is a forked child: it inherited the parent's thread pool without its threads,
+    and a threaded decode there waited forever."""
+    x = smooth_uint8_stack(n=300, h=32, w=32)  # several slabs, so two threads share them
+    data = encode_chunk(x, ChunkSettings(axes=(1, 2), block=(8, 8), keep=(8, 8), precision="int16"))
+    expected = decode_chunk(data, x.shape, x.dtype, 2)  # the parent's pool of two
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_decode_in_child, args=(data, x.shape, x.dtype, queue))
+    child.start()
+    try:
+        np.testing.assert_array_equal(queue.get(timeout=60), expected)
+    finally:
+        child.join(5)
+        if child.is_alive():
+            child.kill()
 
 
 @pytest.mark.parametrize("precision", ["int16", "float16"])  # bit planes; plain stored values
