@@ -129,6 +129,7 @@ class ArrayPlan:
     peak: float
     zstd_level: int = ZSTD_LEVEL  # of the lossless stage after the codec (decoders need not know it)
     note: str | None = None  # what the summary should tell the user about how the target was met
+    at_finest_step: bool = False  # a --ratio that even the finest step exceeds: stored at it, ratio unchecked
 
     @property
     def codec(self) -> DctChopCodec:
@@ -256,41 +257,57 @@ def scan_float(plan: ArrayPlan, threads: int = 1) -> None:
 # ---------------------------------------------------------------------------------------------- ratio search
 
 
-def _sample_ranges(plan: ArrayPlan) -> list[tuple[int, int]]:
+def _ratio_sample(plan: ArrayPlan,
+                  stored_bytes: np.ndarray | None = None) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The chunks (ranges of axis 0) the ratio search measures, and by how much to multiply each one's bytes
+    to stand for the whole array. All chunks up to :data:`RATIO_SAMPLE_BYTES` of input; else as many as
+    fit, spread evenly along axis 0, each standing for the same number of samples. Given every chunk's
+    ``stored_bytes`` at some step (from a first write), they are spread evenly over the chunks ordered by
+    bytes per sample instead, and each stands for the chunks whose bytes per sample are nearest its own:
+    chunks unlike their neighbours (noise among smooth data) are then counted, wherever they lie."""
     ranges = _chunk_ranges(plan.source.shape[0], plan.chunks[0])
+    rows = np.array([stop - start for start, stop in ranges], dtype=np.float64)
     chunk_bytes = math.prod(plan.chunks) * plan.source.dtype.itemsize
     n = max(1, min(len(ranges), RATIO_SAMPLE_BYTES // max(chunk_bytes, 1)))
-    picks = np.unique(np.linspace(0, len(ranges) - 1, n).round().astype(int))
-    return [ranges[i] for i in picks]
+    if stored_bytes is None:  # weighed by samples, not chunks: a short last chunk's padding costs next to nothing
+        picks = np.unique(np.linspace(0, len(ranges) - 1, n).round().astype(int))
+        return [ranges[i] for i in picks], np.full(picks.size, rows.sum() / rows[picks].sum())
+    per_row = np.asarray(stored_bytes, dtype=np.float64) / rows
+    order = np.argsort(per_row, kind="stable")
+    picks = np.unique(order[np.linspace(0, len(ranges) - 1, n).round().astype(int)])
+    nearest = np.argmin(np.abs(per_row[:, None] - per_row[picks][None, :]), axis=1)
+    represented = np.bincount(nearest, weights=rows, minlength=picks.size)
+    return [ranges[i] for i in picks], represented / rows[picks]
 
 
-def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int) -> float:
+def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int,
+                      sample: tuple[list[tuple[int, int]], np.ndarray] | None = None) -> float:
     """Quantization step that gives the array ``ratio`` (within 1%), counting ``overhead`` bytes of metadata.
 
-    The chunk bytes are measured on a sample of chunks (all of them for arrays up to 64 MB) and scaled to
-    the whole array. An array that compresses beyond ``ratio`` at the finest step is stored at that step
-    (best quality; ``plan.note`` says so): no step could bring its ratio down to the target.
+    The chunk bytes are measured on ``sample`` (chunk ranges and the weight of each; default
+    :func:`_ratio_sample`: every chunk for arrays up to 64 MB) and scaled to the whole array. An array that
+    compresses beyond ``ratio`` at the finest step is stored at that step (best quality;
+    ``plan.at_finest_step``, and ``plan.note`` says so): no step could bring its ratio down to the target.
     """
     zstd = numcodecs.Zstd(level=plan.zstd_level)
     settings = replace(plan.settings, target_psnr=None)
-    scale, sample = plan.peak, []  # the steps tried are relative to the data's scale, however small
-    ranges = _sample_ranges(plan)
+    ranges, weights = _ratio_sample(plan) if sample is None else sample
+    scale, coefficients = plan.peak, []  # the steps tried are relative to the data's scale, however small
     for start, stop in ranges:  # each sample chunk is transformed once, quantized at every step
         x = _pad_to_chunk(plan.source.read(start, stop), plan.chunks, edge=0 in plan.axes)
         c = transform_chunk(x, settings, threads, valid_rows=stop - start)  # as the writer will
         scale = max(scale, float(np.abs(c.centred).max()))
-        sample.append(c)
-    # scaled by samples, not chunks: the sample always holds the last chunk, whose padding costs next to nothing
-    per_sampled_row = plan.source.shape[0] / sum(stop - start for start, stop in ranges)
+        coefficients.append(c)
     original = math.prod(plan.source.shape) * plan.source.dtype.itemsize
 
     def achieved(step: float) -> float:
-        chunk_bytes = sum(len(zstd.encode(encode_coefficients(c, step))) + 4 for c in sample)
-        return original / (chunk_bytes * per_sampled_row + overhead)
+        sizes = [len(zstd.encode(encode_coefficients(c, step))) + 4 for c in coefficients]
+        return original / (float(np.dot(weights, sizes)) + overhead)
 
     lo, hi = math.log(scale * 1e-7), math.log(scale * 64)
     finest = achieved(math.exp(lo))
     if finest > ratio * (1 + RATIO_TOLERANCE):
+        plan.at_finest_step = True
         plan.note = (f"ratio {ratio:g} asked for, but the finest {plan.settings.precision} quantization already "
                      f"gives about {finest:.3g}: stored at that step")
         return math.exp(lo)
@@ -849,19 +866,27 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
         for path, attrs in sorted(source.groups.items()):
             if path.strip("/"):
                 group.require_group(path.strip("/")).attrs.update(attrs)
+        overheads = {}
         for plan in plans:  # every search before any chunk is written: a target out of reach fails at once
             if plan.source.dtype.kind == "f":
                 scan_float(plan, workers)
             _create_lossy_arrays(group, plan)
             if plan.target.kind == "ratio":
-                overhead = _metadata_bytes(tmp, plan)
-                plan.settings = replace(plan.settings, step=search_ratio_step(plan, float(plan.target.value),
-                                                                              workers, overhead))
-                _create_lossy_arrays(group, plan, overwrite=True)  # the codec configuration now names the step
+                overheads[plan.name] = _metadata_bytes(tmp, plan)
+                _set_ratio_step(group, plan, workers, overheads[plan.name])
         arrays = {}
         for plan in plans:
             result = _write_lossy(tmp, plan, workers, options.scheduler, progress)
             arrays[plan.name] = _array_summary(plan, result, tmp)
+            if _resample_ratio(plan, arrays[plan.name]["ratio"]):
+                missed = arrays[plan.name]["ratio"]
+                by_size = _ratio_sample(plan, result["meta"]["stored_bytes"])
+                _set_ratio_step(group, plan, workers, overheads[plan.name], by_size)
+                result = _write_lossy(tmp, plan, workers, options.scheduler, lambda n: None)
+                plan.note = plan.note or (f"the step searched on chunks spread along the array gave ratio "
+                                          f"{missed:.4g}: searched again on chunks picked by their stored size, "
+                                          "and the array written again")
+                arrays[plan.name] = _array_summary(plan, result, tmp)
             _check_ratio(plan, arrays[plan.name]["ratio"])
         for array in source.lossless:
             _write_lossless(group, source, array, options.zstd_level, progress)
@@ -885,10 +910,29 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     return summary
 
 
+def _set_ratio_step(group: zarr.Group, plan: ArrayPlan, workers: int, overhead: int,
+                    sample: tuple[list[tuple[int, int]], np.ndarray] | None = None) -> None:
+    """Search the step for the plan's --ratio (:func:`search_ratio_step`) and name it in the codec."""
+    step = search_ratio_step(plan, float(plan.target.value), workers, overhead, sample)
+    plan.settings = replace(plan.settings, step=step)
+    _create_lossy_arrays(group, plan, overwrite=True)  # the codec configuration now names the step
+
+
+def _resample_ratio(plan: ArrayPlan, achieved: float) -> bool:
+    """Whether a --ratio array as written misses its target for want of a representative sample: the search
+    measured only some chunks, and the others compress differently (noise among smooth data, say). The
+    sizes of every chunk are known then, so a second search can pick chunks that represent them all."""
+    if plan.target.kind != "ratio" or plan.at_finest_step:
+        return False
+    n_chunks = len(_chunk_ranges(plan.source.shape[0], plan.chunks[0]))
+    missed = abs(achieved / float(plan.target.value) - 1) > RATIO_TOLERANCE
+    return missed and len(_ratio_sample(plan)[0]) < n_chunks
+
+
 def _check_ratio(plan: ArrayPlan, achieved: float) -> None:
     """The --ratio promise, checked on the store as written: the search worked on a sample and an estimate of
     the metadata, so the whole array may come out differently."""
-    if plan.target.kind != "ratio" or plan.note is not None:
+    if plan.target.kind != "ratio" or plan.at_finest_step:
         return
     ratio = float(plan.target.value)
     if abs(achieved / ratio - 1) > RATIO_TOLERANCE:
