@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
+from dctchop import quantize as qz
 from dctchop.errors import DctchopError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -54,13 +57,13 @@ def check_axes(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 def check_target_ratio(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     """Option callback: a ratio target takes what compress's --ratio takes (:class:`dctchop.store.Target`)."""
-    if value is not None and not value >= 1:  # NaN too
-        raise DctchopError(f"{param.opts[0]} must be at least 1, got {value:g}")
+    if value is not None and not (math.isfinite(value) and value >= 1):  # NaN too
+        raise DctchopError(f"{param.opts[0]} must be a finite number, at least 1, got {value:g}")
     return value
 
 
 def check_target_psnr(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     """Option callback: a PSNR target takes what compress's --psnr takes (:class:`dctchop.store.Target`)."""
-    if value is not None and not 0 < value < 400:
-        raise DctchopError(f"{param.opts[0]} must be a number of dB between 0 and 400, got {value:g}")
+    if value is not None and not 0 < value < qz.MAX_PSNR:
+        raise DctchopError(f"{param.opts[0]} must be a number of dB between 0 and {qz.MAX_PSNR}, got {value:g}")
     return value

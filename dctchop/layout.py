@@ -80,4 +80,7 @@ def parse_axes(text: str, ndim: int) -> tuple[int, ...]:
     bad = [a for a in given if not -ndim <= a < ndim]
     if bad:
         raise DctchopError(f"--axes {text}: axis {bad[0]} is out of range for a {ndim}-d array")
-    return tuple(sorted(a % ndim for a in given))
+    axes = tuple(sorted(a % ndim for a in given))
+    if len(set(axes)) != len(axes):
+        raise DctchopError(f"--axes {text} names an axis twice (of a {ndim}-d array)")
+    return axes

@@ -89,8 +89,9 @@ class Target:
     value: float | tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.kind == "ratio" and not (isinstance(self.value, (int, float)) and self.value >= 1):
-            raise DctchopError(f"--ratio must be at least 1, got {self.value}")
+        if self.kind == "ratio" and not (isinstance(self.value, (int, float)) and math.isfinite(self.value)
+                                         and self.value >= 1):
+            raise DctchopError(f"--ratio must be a finite number, at least 1, got {self.value}")
         if self.kind == "psnr" and not (isinstance(self.value, (int, float)) and 0 < self.value < qz.MAX_PSNR):
             raise DctchopError(f"--psnr must be a number of dB between 0 and {qz.MAX_PSNR}, got {self.value}")
 

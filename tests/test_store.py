@@ -162,7 +162,7 @@ def test_an_encode_error_stops_the_pipeline(monkeypatch):
 
 @pytest.mark.parametrize("kind, value, message", [
     ("psnr", 0.0, "between 0 and 400"), ("psnr", 500.0, "between 0 and 400"), ("psnr", float("nan"), "between"),
-    ("ratio", 0.5, "at least 1"), ("ratio", float("nan"), "at least 1"),
+    ("ratio", 0.5, "at least 1"), ("ratio", float("nan"), "at least 1"), ("ratio", float("inf"), "finite"),
 ])
 def test_targets_out_of_range_say_what_is_allowed(kind, value, message):
     with pytest.raises(DctchopError, match=f"--{kind} must be .*{message}"):
