@@ -10,9 +10,10 @@ with an 8x8 bit-matrix transpose of one 64-bit word, its own inverse.
 
 Layout for runs of n_s values (values padded with zeros to a multiple of 8):
 
-- one mask per run, ``itemsize`` bytes little-endian: bit p set when plane p (0 = least significant bit of the
-  zigzag value) holds a one;
-- then, run by run, from the most significant plane down, each set plane as ``ceil(n_s / 8)`` bytes.
+- first the masks, one per run, ``itemsize`` bytes little-endian: bit p set when plane p (0 = least
+  significant bit of the zigzag value) holds a one;
+- then, run by run, from the most significant plane down, each set plane as ``ceil(n_s / 8)`` bytes, value
+  ``8 m + j`` of the run in bit ``j`` (least significant first) of byte ``m``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """The dctchop chunk format and its Zarr v3 array-to-bytes codec.
 
-An encoded chunk decodes on its own: a small little-endian header, then the stored coefficients band-major.
+An encoded chunk decodes on its own: a small little-endian header, then the stored coefficients band-major
+(order below). This docstring and :mod:`dctchop.bitplanes` are the whole format: ``tests/test_spec.py`` holds a
+decoder written from them alone (scipy's inverse DCT, no dctchop code) and checks it against this one on
+every kind of layout and on the format fixtures.
 
 ======  ==========  =========================================================================
 offset  type        field
 ======  ==========  =========================================================================
 0       4 bytes     magic ``DCTC``
 4       u8          format version (:data:`FORMAT_VERSION`)
-5       u8          data dtype code (:data:`DTYPE_CODES`)
-6       u8          precision code (:data:`PRECISION_CODES`)
+5       u8          data dtype: 0 uint8, 1 uint16, 2 int16, 3 float16, 4 float32, 5 float64
+6       u8          precision: 0 float32, 1 float16, 2 bfloat16, 3 int8, 4 int16
 7       u8          mask code (0 square, 1 triangle)
 8       u8          ndim of the chunk (1..32)
 9       u8          number of transformed axes (1..3)
@@ -16,14 +19,43 @@ offset  type        field
                     step table (below); bit 2 = an offset follows the value count; other bits 0
 12      u32 x ndim  chunk shape
 ..      u8 x naxes  axes, then block sizes, then keep counts
-..      u32         number of steps: 0 (all steps are 1) or the number of bands of a full block
-..      f64 x n     per-band steps, in :attr:`TransformPlan.bands` order; with flag bit 1 instead: f64
-                    common step, u32 count k, then k x (u32 band, f64 step) for the bands that differ
+..      u32         number of steps n: 0 (all steps are 1) or the number of bands of a full block
+..      f64 x n     per-band steps, in :attr:`TransformPlan.bands` order; with flag bit 1, in place of
+                    these n values only: f64 common step, u32 count k, then k x (u32 band, f64 step) for
+                    the bands that differ
 ..      u64         number of stored values
 ..      f64         with flag bit 2: the offset, added to every decoded value (:func:`chunk_offset`)
-..      payload     stored values in the precision's storage dtype (flag 0 clear), or their bit
-                    planes (flag 0 set, integer precisions)
+..      payload     stored values in the precision's storage dtype, little-endian (flag 0 clear; bfloat16
+                    as the top 16 bits of a float32), or their bit planes (flag 0 set, integer
+                    precisions; int8/int16 chunks may also have it clear)
 ======  ==========  =========================================================================
+
+This number is the chunk format's version; the store format (the ``store_format`` of a store's attributes)
+is counted apart.
+
+Which values are stored, and in what order (:mod:`dctchop.transform` says more):
+
+- Each transformed axis of length L is cut into blocks of ``block``; a last block of r = L mod block samples
+  has a DCT of its own length r and keeps ceil(r * keep / block) coefficients. Masks: ``square`` keeps
+  band (i_1, .., i_n) when every i_d < k_d; ``triangle`` when sum_d i_d / k_d < 1, compared exactly, as
+  sum_d i_d * prod_{e != d} k_e < prod_d k_d in integers (floating-point sums pick other bands), with an edge
+  block's own keep counts as its k_d.
+- Blocks fall in groups by shape: group g = sum_d 2^d * (the block is an edge block along transformed axis d),
+  d counting the transformed axes from 0 (the first is the least significant bit): for 2-D blocks, the
+  full blocks, then the edge row (short along the first axis), the edge column, the corner.
+- Storage order: group by group; within a group, band by band in the full block's band order (C order of the
+  band tuples, the triangle's left out), each band a run of the group's blocks in the C order of the array
+  (untransformed axes included); a band an edge block does not keep has no run in that group. So a chunk
+  without edge blocks is all blocks' band (0, 0), then (0, 1), and so on.
+- Steps: a stored value is its level times its band's step, an edge block's band (i_1, .., i_n) taking the
+  step of the full block's band with the same indices (there is one even where an axis has no full block).
+- Output: the inverse DCT of each block (its kept coefficients, the rest zero), computed in float32 (float64
+  for float64 data), converted to the data's dtype (integers round half up, floor(v + 0.5), and clip to the
+  dtype's range; float16 rounds to nearest), then the offset added in that dtype. A decoder with other
+  arithmetic may differ by one unit where a value lies within rounding of .5, and in the last bits of float
+  output.
+- A 3-long colour axis (RGB) is no special case: it is a transformed axis with block 3 and keep 3, whose DCT
+  is the colour transform.
 
 Every field is checked before anything is allocated from it; the chunk shape must equal the shape the
 caller expects (Zarr's chunk spec), so a damaged header can neither crash the decoder nor make it allocate

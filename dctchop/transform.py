@@ -14,11 +14,13 @@ forms a last, shorter block transformed with a DCT of its own length ``r``, of w
 reached for any length (28 with block 8, keep 4 keeps 14 values, exactly 2x), with no padding.
 
 Masks. ``square`` keeps indices ``i_d < k_d`` on every axis (the paper's chop). ``triangle`` keeps
-``sum_d i_d / k_d < 1`` (``i + j < k`` when k is equal on both axes), the zig-zag/diagonal variant.
+``sum_d i_d / k_d < 1`` (``i + j < k`` when k is equal on both axes), the zig-zag/diagonal variant, compared
+exactly in integers (:func:`in_triangle`), an edge block with its own keep counts.
 
-Coefficient order. Kept coefficients are stored band-major: every block's band (0,0) first, then (0,1), …,
-so the lossless stage sees like values together. Blocks are grouped by shape (full blocks, then each kind of
-edge block) and within a band they follow the array's C order.
+Coefficient order. Kept coefficients are stored band-major per block group, so the lossless stage sees like
+values together: blocks are grouped by shape (full blocks first; group ``sum_d 2^d * edge_d`` over the
+transformed axes), and group by group every band is a run of the group's blocks in the array's C order
+(:mod:`dctchop.codec` gives the exact order).
 """
 
 from __future__ import annotations
