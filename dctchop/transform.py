@@ -1104,7 +1104,7 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
         if _is_rows3(p, n_inner):
             _run_split(_rows3, cur.reshape(n_outer, 3), out.reshape(n_outer, 3),
                        (np.ascontiguousarray(mat.T), 0.0, 0.0, False), threads)
-        elif passes and passes[0][0] == a + 1 and _is_rows3(passes[0][1], 1):
+        elif passes and passes[0][0] == a + 1 and n_inner == 3 and _is_rows3(passes[0][1], 1):
             # the colour axis comes next: its 3x3 product rides on this pass. At most one thread per outer
             # row, so _run_split never splits the 3 channels apart.
             args = (mat, p.start, p.width, passes.pop(0)[1].matrix.astype(wdt))
@@ -1199,7 +1199,7 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
             lo, hi, is_int = wdt.type(0), wdt.type(0), False  # float64 would widen _store's result: rows8 1.4x slower
         mat = p.matrix.astype(wdt)
         args = (mat, p.block_rows, lo, hi, is_int)
-        if a == colour_axis and _is_rows8(p, 1) and channels_first:
+        if a == colour_axis and _is_rows8(p, 1) and channels_first and a > 0:  # 2-D: channels-first is as stored
             rows = math.prod(shape[1:a])
             kernel, src_view, dst_view = _inverse_rows3x8_planar, (shape[0], rows, 3 * kept), (shape[0], 3, rows, p.length)
             args, planar = (colour, *args), True

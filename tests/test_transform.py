@@ -58,6 +58,11 @@ CASES = [
     ((2, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3)),
     ((2, 16, 24, 3), (1, 2), (8, 8), (8, 8)),
     ((2, 16, 29, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3)),  # ... with an edge block of 5
+    # a 3-long axis (block 3, keep 3) after another transformed axis but not last: no colour pass, which the
+    # forward once fused anyway and failed on (reshape to (n, length, 3))
+    ((2, 3, 4), (0, 1), (2, 3), (2, 3)),
+    ((4, 8, 3, 5), (1, 2), (8, 3), (8, 3)),
+    ((4, 8, 3, 5), (1, 2, 3), (8, 3, 5), (8, 3, 5)),
 ]
 CASE_IDS = ["x".join(map(str, c[0])) + "-ax" + "".join(map(str, c[1])) for c in CASES]
 
@@ -614,6 +619,18 @@ def test_channels_first_output_is_the_output_with_its_last_axis_moved(shape, axe
     _, planar = transform._inverse_passes(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, x.dtype.str,
                                           threads, True)
     assert planar == in_kernels
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int16", "float16", "float64", "uint8", "float32"])
+@pytest.mark.parametrize("length", [8, 20])
+def test_channels_first_of_a_2d_array_is_the_array(dtype, length):
+    """An (L, 3) array with blocks of 8 along L took the channels-first kernel, which assumes axis 0 holds
+    samples, and failed; moving the last axis to axis 1 of a 2-D array moves nothing."""
+    plan = make_plan((length, 3), (0,), (8,), (8,))
+    x = random_data(np.random.default_rng(length), plan.shape, dtype)
+    coefficients = scatter(compress_array(x, plan), plan, transform.work_dtype(x.dtype))
+    np.testing.assert_array_equal(inverse(coefficients, plan, x.dtype, channels_first=True),
+                                  inverse(coefficients, plan, x.dtype))
 
 
 @pytest.mark.parametrize("bounds", [np.float32, float])  # clipped in float32 (8-, 16-bit) or float64 (wider)
