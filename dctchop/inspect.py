@@ -145,7 +145,7 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
         "store": str(path), "version": info.get("version"), "created": info.get("created"),
         "source": info.get("source"), "arrays": arrays, "lossless": lossless, "links": info.get("links", []),
         "totals": {"original_bytes": original, "stored_bytes": stored, "ratio": original / stored},
-        "damaged_groups": group_problems(location),
+        "damaged_groups": group_problems(location, info),
     }
     if verify is not None and not report["damaged_groups"] and not any(
             a["damaged_chunks"] for a in (*arrays.values(), *lossless.values())):
@@ -172,7 +172,7 @@ def require_intact(path: str | Path, info: dict) -> None:
         problems = lossless_problems(Location(path), info, name)
         if problems:
             raise DctchopError(describe_damage(path, {name: problems}))
-    groups = group_problems(Location(path))
+    groups = group_problems(Location(path), info)
     if groups:
         raise DctchopError(describe_damage(path, {}, groups))
 

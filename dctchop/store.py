@@ -553,9 +553,11 @@ def node_kind(root: Location, path: str) -> tuple[str | None, str | None]:
     return (kind, None) if kind in ("group", "array") else (None, f"{path}/zarr.json is not Zarr metadata")
 
 
-def group_problems(root: Location) -> list[dict]:
+def group_problems(root: Location, info: dict) -> list[dict]:
     """The user groups whose metadata is missing or damaged (a directory below a group is a group or an
-    array, each with its zarr.json); the metadata group's are each array's (:func:`array_problems`)."""
+    array, each with its zarr.json; the metadata group's are each array's, :func:`array_problems`), and the
+    arrays that the store's record (``info``) leaves out: a record edited by hand, which readers trust."""
+    recorded = set(info["arrays"]) | set(info.get("lossless", []))
     problems = []
     for key, directories, _ in root.walk():
         if key == META_GROUP:
@@ -566,6 +568,9 @@ def group_problems(root: Location) -> list[dict]:
             problems.append({"group": key, "problem": problem})
         elif kind == "array":
             directories.clear()  # chunks, not nodes
+            if key not in recorded:
+                problems.append({"group": key, "problem": f"array {key} is not in the store's record (the dctchop "
+                                                          "attributes of its root zarr.json)"})
     return problems
 
 

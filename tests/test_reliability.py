@@ -661,6 +661,31 @@ def test_damaged_group_metadata_is_found(tmp_path, damage):
     assert_no_output(out)
 
 
+@pytest.mark.parametrize("dropped", ["a_images", "labels"])
+def test_an_array_left_out_of_the_stores_record_is_damage(tmp_path, dropped):
+    """The root record lists the arrays readers show; with one deleted from it by hand, inspect, --verify and
+    decompress said nothing and decompress wrote the others only."""
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["a_images"], f["b_images"] = smooth((16, 16, 16), "uint8"), smooth((16, 16, 16), "uint8", 0.5)
+        f["labels"] = np.arange(16)
+    store = tmp_path / "s.zarr"
+    ok(run("compress", tmp_path / "in.h5", store, "--quiet"))
+    record = json.loads((store / "zarr.json").read_text())
+    info = record["attributes"]["dctchop"]
+    if dropped in info["arrays"]:
+        del info["arrays"][dropped]
+    else:
+        info["lossless"].remove(dropped)
+    (store / "zarr.json").write_text(json.dumps(record))
+    words = (f"array {dropped} is not in the store's record",)
+    p = run("inspect", store)
+    user_error(p, "damaged store", *words)
+    user_error(run("inspect", store, "--verify", tmp_path / "in.h5"), *words)
+    out = tmp_path / "restored.h5"
+    user_error(run("decompress", store, out), *words)
+    assert_no_output(out)
+
+
 @pytest.fixture(scope="module")
 def labelled_store(tmp_path_factory) -> Path:
     """Images in 4 chunks beside labels and ids copied losslessly in 2 Zarr chunks each; the ids' first chunk
