@@ -411,12 +411,10 @@ class Loader:
         self.num_workers = _positive_int(num_workers, "num_workers")
         for value, limit, what, total in ((rank, world_size, "rank", "world_size"),
                                           (worker, num_workers, "worker", "num_workers")):
-            if not isinstance(value, (int, np.integer)) or not 0 <= value < limit:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < limit:
                 raise DctchopError(f"{what} must be in 0..{limit - 1} for {total}={limit}, got {value!r}")
         self.rank, self.worker = int(rank), int(worker)
-        if not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise DctchopError(f"seed must be a non-negative integer, got {seed!r}")
-        self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
+        self.seed, self.shuffle, self.drop_last = _non_negative_int(seed, "seed"), bool(shuffle), bool(drop_last)
         if output not in ("numpy", "torch"):
             raise DctchopError(f"output must be 'numpy' or 'torch', got {output!r}")
         self.torch = output == "torch" or device is not None
@@ -693,9 +691,14 @@ class Loader:
 
 def epoch_number(epoch) -> int:
     """``epoch`` as an int; a :class:`DctchopError` unless it is a non-negative integer."""
-    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-        raise DctchopError(f"epoch must be a non-negative integer, got {epoch!r}")
-    return int(epoch)
+    return _non_negative_int(epoch, "epoch")
+
+
+def _non_negative_int(value, name: str) -> int:
+    """``value`` as an int; a :class:`DctchopError` unless it is a non-negative integer (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise DctchopError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
 
 
 def _positive_int(value, name: str) -> int:

@@ -785,6 +785,9 @@ def test_a_chunk_file_swapped_for_another_is_refused(image_store, tmp_path):
     ({"batch_size": 0}, "batch_size must be a positive integer"),
     ({"batch_size": -3}, "batch_size must be a positive integer"),
     ({"batch_size": 4, "rank": 2, "world_size": 2}, "rank must be in 0..1 for world_size=2"),
+    ({"batch_size": 4, "rank": True, "world_size": 2}, "rank must be in 0..1 for world_size=2, got True"),
+    ({"batch_size": 4, "seed": True}, "seed must be a non-negative integer, got True"),  # was taken as seed 1
+    ({"batch_size": 4, "seed": -1}, "seed must be a non-negative integer, got -1"),
     ({"batch_size": 4, "arrays": ["images", "masks"]}, "no array 'masks'; it has: images"),
     ({"batch_size": 4, "dtype": "int32"}, "dtype must be one of"),
     ({"batch_size": 4, "dtype": "bfloat16"}, "bfloat16 needs output='torch'"),
