@@ -344,11 +344,24 @@ class _Walk:
                 self.datasets.append((path, obj))
             # committed datatypes carry no data
 
-    def links(self, f, file: str, stored_names: list) -> list[tuple[str, str, str]]:
+    def soft_targets(self, f, file: str) -> list[tuple[str, str, object]]:
+        """(path, target as written, the id of the object it leads to) of every soft link, each looked up
+        once; the id is None for a link that names nothing (its target does not exist, or lies behind an
+        external link that is not followed)."""
+        found = []
+        for path, written in self.soft_links:
+            try:
+                oid = _lookup(f, written, self._follow, file, self).id
+            except DctchopError:
+                oid = None
+            found.append((path, written, oid))
+        return found
+
+    def links(self, stored_names: list, soft_targets: list) -> list[tuple[str, str, str]]:
         """(path, the name it is stored under, "soft" or "hard") for every other name of a stored group or
         dataset (``stored_names``: (object id, the name it is stored under), the first name of an object
-        stored twice counting). Soft links that dangle or lead out of the file (unless followed) name
-        nothing; a name that is, or leads to, a stored name is no alias."""
+        stored twice counting; ``soft_targets``: :meth:`soft_targets`). Soft links that dangle or lead out of
+        the file (unless followed) name nothing; a name that is, or leads to, a stored name is no alias."""
         stored: dict = {}
         for oid, name in stored_names:
             stored.setdefault(oid, name)
@@ -356,26 +369,15 @@ class _Walk:
         for oid, name in stored.items():
             found += [(path, name, "hard") for path in [self._paths.get(oid), *self._hard.get(oid, [])]
                       if path not in (None, name)]
-        for path, written in self.soft_links:
-            try:
-                oid = _lookup(f, written, self._follow, file, self).id
-            except DctchopError:
-                continue
-            if oid in stored and stored[oid] != path:
-                found.append((path, stored[oid], "soft"))
+        found += [(path, stored[oid], "soft") for path, _, oid in soft_targets
+                  if oid is not None and oid in stored and stored[oid] != path]
         names = {name for _, name in stored_names}
         return sorted(link for link in found if not any(n == link[0] or n.startswith(link[0] + "/") for n in names))
 
-    def dangling(self, f, file: str) -> list[str]:
-        """``path -> target`` of every soft link that names nothing in the file (its target does not exist, or
-        lies behind an external link that is not followed), sorted: the store cannot keep them."""
-        found = list(self.unnamed)
-        for path, written in self.soft_links:
-            try:
-                _lookup(f, written, self._follow, file, self)
-            except DctchopError:
-                found.append(f"{path} -> {written}")
-        return sorted(found)
+    def dangling(self, soft_targets: list) -> list[str]:
+        """``path -> target`` of every soft link that names nothing in the file (``soft_targets``:
+        :meth:`soft_targets`), sorted: the store cannot keep them."""
+        return sorted([*self.unnamed, *(f"{path} -> {written}" for path, written, oid in soft_targets if oid is None)])
 
     def ids(self):
         """(object id, the path it is taken under) of every group and dataset of the walk."""
@@ -517,8 +519,9 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
             lossy = chosen
         kept += forced
         stored = [(ds.id, name) for name, ds in lossy + kept] + [(oid, p) for oid, p in walk.ids() if p in groups]
-        links = tuple(walk.links(f, file, stored))
-        dropped_links = tuple(walk.dangling(f, file))
+        soft_targets = walk.soft_targets(f, file)
+        links = tuple(walk.links(stored, soft_targets))
+        dropped_links = tuple(walk.dangling(soft_targets))
         attributes = {**groups, **{name: _attributes(ds) for name, ds in lossy + kept}}  # of what is stored
         attr_dtypes = {path: a.dtypes for path, a in attributes.items() if a.dtypes}
         dropped_attrs = sorted(f"{path}@{key}" for path, a in attributes.items() for key in a.dropped)
