@@ -270,12 +270,11 @@ def _ratio_sample(plan: ArrayPlan,
     rows = np.array([stop - start for start, stop in ranges], dtype=np.float64)
     chunk_bytes = math.prod(plan.chunks) * plan.source.dtype.itemsize
     n = max(1, min(len(ranges), RATIO_SAMPLE_BYTES // max(chunk_bytes, 1)))
-    if stored_bytes is None:  # weighed by samples, not chunks: a short last chunk's padding costs next to nothing
-        picks = np.unique(np.linspace(0, len(ranges) - 1, n).round().astype(int))
-        return [ranges[i] for i in picks], np.full(picks.size, rows.sum() / rows[picks].sum())
-    per_row = np.asarray(stored_bytes, dtype=np.float64) / rows
-    order = np.argsort(per_row, kind="stable")
+    per_row = None if stored_bytes is None else np.asarray(stored_bytes, dtype=np.float64) / rows
+    order = np.arange(len(ranges)) if per_row is None else np.argsort(per_row, kind="stable")
     picks = np.unique(order[np.linspace(0, len(ranges) - 1, n).round().astype(int)])
+    if per_row is None:  # weighed by samples, not chunks: a short last chunk's padding costs next to nothing
+        return [ranges[i] for i in picks], np.full(picks.size, rows.sum() / rows[picks].sum())
     nearest = np.argmin(np.abs(per_row[:, None] - per_row[picks][None, :]), axis=1)
     represented = np.bincount(nearest, weights=rows, minlength=picks.size)
     return [ranges[i] for i in picks], represented / rows[picks]
@@ -924,26 +923,28 @@ def _set_ratio_step(group: zarr.Group, plan: ArrayPlan, workers: int, overhead: 
     _create_lossy_arrays(group, plan, overwrite=True)  # the codec configuration now names the step
 
 
+def _misses_ratio(plan: ArrayPlan, achieved: float) -> bool:
+    """Whether an array as written breaks its --ratio promise (a ratio the finest step exceeds promises
+    nothing)."""
+    if plan.target.kind != "ratio" or plan.at_finest_step:
+        return False
+    return abs(achieved / float(plan.target.value) - 1) > RATIO_TOLERANCE
+
+
 def _resample_ratio(plan: ArrayPlan, achieved: float) -> bool:
     """Whether a --ratio array as written misses its target for want of a representative sample: the search
     measured only some chunks, and the others compress differently (noise among smooth data, say). The
     sizes of every chunk are known then, so a second search can pick chunks that represent them all."""
-    if plan.target.kind != "ratio" or plan.at_finest_step:
-        return False
     n_chunks = len(_chunk_ranges(plan.source.shape[0], plan.chunks[0]))
-    missed = abs(achieved / float(plan.target.value) - 1) > RATIO_TOLERANCE
-    return missed and len(_ratio_sample(plan)[0]) < n_chunks
+    return _misses_ratio(plan, achieved) and len(_ratio_sample(plan)[0]) < n_chunks
 
 
 def _check_ratio(plan: ArrayPlan, achieved: float) -> None:
     """The --ratio promise, checked on the store as written: the search worked on a sample and an estimate of
     the metadata, so the whole array may come out differently."""
-    if plan.target.kind != "ratio" or plan.at_finest_step:
-        return
-    ratio = float(plan.target.value)
-    if abs(achieved / ratio - 1) > RATIO_TOLERANCE:
-        raise DctchopError(f"{plan.name}: --ratio {ratio:g} came out at {achieved:.4g}, more than "
-                           f"{RATIO_TOLERANCE:.0%} off (the data is not like the chunks the search sampled); "
+    if _misses_ratio(plan, achieved):
+        raise DctchopError(f"{plan.name}: --ratio {float(plan.target.value):g} came out at {achieved:.4g}, more "
+                           f"than {RATIO_TOLERANCE:.0%} off (the data is not like the chunks the search sampled); "
                            "nothing was written")
 
 
