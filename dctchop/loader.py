@@ -402,19 +402,19 @@ class Loader:
                  mean=None, std=None, window: int = 4, prefetch: int = 2, threads: int | None = None,
                  rank: int = 0, world_size: int = 1, output: str = "numpy", device=None,
                  device_decode: bool = True, worker: int = 0, num_workers: int = 1) -> None:
-        self.batch_size = _positive_int(batch_size, "batch_size")
-        self.window = _positive_int(window, "window")
-        self.prefetch = _positive_int(prefetch, "prefetch")
+        self.batch_size = _integer(batch_size, "batch_size", least=1)
+        self.window = _integer(window, "window", least=1)
+        self.prefetch = _integer(prefetch, "prefetch", least=1)
         self.threads = (min(resolve_threads(None), DEFAULT_MAX_THREADS) if threads is None or threads == 0
-                        else _positive_int(threads, "threads"))
-        self.world_size = _positive_int(world_size, "world_size")
-        self.num_workers = _positive_int(num_workers, "num_workers")
+                        else _integer(threads, "threads", least=1))
+        self.world_size = _integer(world_size, "world_size", least=1)
+        self.num_workers = _integer(num_workers, "num_workers", least=1)
         for value, limit, what, total in ((rank, world_size, "rank", "world_size"),
                                           (worker, num_workers, "worker", "num_workers")):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < limit:
                 raise DctchopError(f"{what} must be in 0..{limit - 1} for {total}={limit}, got {value!r}")
         self.rank, self.worker = int(rank), int(worker)
-        self.seed, self.shuffle, self.drop_last = _non_negative_int(seed, "seed"), bool(shuffle), bool(drop_last)
+        self.seed, self.shuffle, self.drop_last = _integer(seed, "seed", least=0), bool(shuffle), bool(drop_last)
         if output not in ("numpy", "torch"):
             raise DctchopError(f"output must be 'numpy' or 'torch', got {output!r}")
         self.torch = output == "torch" or device is not None
@@ -691,17 +691,12 @@ class Loader:
 
 def epoch_number(epoch) -> int:
     """``epoch`` as an int; a :class:`DctchopError` unless it is a non-negative integer."""
-    return _non_negative_int(epoch, "epoch")
+    return _integer(epoch, "epoch", least=0)
 
 
-def _non_negative_int(value, name: str) -> int:
-    """``value`` as an int; a :class:`DctchopError` unless it is a non-negative integer (a bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise DctchopError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise DctchopError(f"{name} must be a positive integer, got {value!r}")
+def _integer(value, name: str, least: int) -> int:
+    """``value`` as an int; a :class:`DctchopError` unless it is an integer (a bool is not one) of at least
+    ``least``, 0 or 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise DctchopError(f"{name} must be a {'positive' if least else 'non-negative'} integer, got {value!r}")
     return int(value)

@@ -673,12 +673,12 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 def resolve_threads(threads: int | None) -> int:
     """``None`` or 0 means one thread per available core; anything but those or a positive integer is refused."""
-    count = isinstance(threads, (int, np.integer)) and not isinstance(threads, bool)
-    if threads is None or (count and threads >= 0):
-        if not threads:
-            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return int(threads)
-    raise DctchopError(f"threads must be a non-negative integer (0 or None: one per core), got {threads!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
+                                or threads < 0):
+        raise DctchopError(f"threads must be a non-negative integer (0 or None: one per core), got {threads!r}")
+    if not threads:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return int(threads)
 
 
 def _run_split(kernel, src, dst, args, threads: int) -> None:
