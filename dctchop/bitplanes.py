@@ -19,6 +19,7 @@ Layout for runs of n_s values (values padded with zeros to a multiple of 8):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -247,6 +248,7 @@ class Planes:
         _unpack(self.data, self.seg_starts, self.masks, q)
         return q
 
+    @cached_property
     def largest_levels(self) -> np.ndarray:
         """Per run, a bound on its values' magnitudes from its mask: zigzag values below 2^(p + 1), p the top
         set plane, are at most 2^p in magnitude (0 for a run of zeros)."""

@@ -865,7 +865,7 @@ def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> Stor
     header, plan, steps, payload = _checked(data, shape, dtype)
     if header.bitplanes:
         planes = _checked_planes(header, plan, steps, payload)
-        stored, bound = planes.unpack(), float(planes.largest_levels().max(initial=0.0))
+        stored, bound = planes.unpack(), float(planes.largest_levels.max(initial=0.0))
     else:
         stored, bound = _plain_values(header, payload), math.inf
     return StoredChunk(plan, header.dtype, header.precision, stored, steps, header.offset, bound)
@@ -874,7 +874,7 @@ def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> Stor
 def _checked_planes(header: ChunkHeader, plan: TransformPlan, steps: np.ndarray, payload: memoryview) -> Planes:
     """The bit planes of a chunk, refused when a run's levels could dequantize past the work dtype's range."""
     planes = check_planes(payload, plan.order[1], qz.STORAGE_DTYPES[header.precision])
-    _refuse_overflow(planes.largest_levels() * steps[plan.order[2]], header.dtype)
+    _refuse_overflow(planes.largest_levels * steps[plan.order[2]], header.dtype)
     return planes
 
 
