@@ -14,31 +14,35 @@ values of band ``(z, j)`` (first-axis band ``z``, rest band ``j``) are one row o
 triangle masks and edge blocks need no special case. A program handles one chunk, ``BN`` blocks and ``BR``
 rest positions; integer dtypes are rounded and clipped (``floor(v + 0.5)``, like
 :func:`dctchop.transform.inverse`) and float16 data rounded to float16, then stored through two offset tables
-(one per block, one per position). Two kernels, by the first axis' width (GB/s of float32 output on an
-H100 at torch's default precision, ``benchmarks/loader.py``; the other kernel's figure in brackets):
+(one per block, one per position). Three kernels, by the first axis' width (GB/s of float32 output on an
+H100 at torch's default precision, ``decoder_rate`` of ``benchmarks/loader.py``; docs/performance.md has the
+runs):
 
-* :func:`~dctchop.cuda_kernel.decode_first_last` (width up to 4): every value is read once; per first-axis
-  band, one matmul, whose result every first-axis position accumulates. 8x8 blocks: 810-833 GB/s
-  (624); 8x8x3 colour blocks: 607-648 (410).
+* :func:`~dctchop.cuda_kernel.decode_flat` (no first axis): a program loads its chunk's basis once and makes
+  one matmul per tile of 32 blocks, for four tiles. 8x8 blocks: 956-1060 GB/s (``decode_first_last``, which
+  reloaded the basis for every tile: 820-909).
+* :func:`~dctchop.cuda_kernel.decode_first_last` (width 2 to 4): every value is read once; per first-axis
+  band, one matmul, whose result every first-axis position accumulates. 8x8x3 colour blocks: 688-754 GB/s
+  (with the 4 warps and 64 bands per step taken before: 605-672).
 * :func:`~dctchop.cuda_kernel.decode_first_inside` (wider): per first-axis position, the first axis is summed
   into the matmul's input, so one accumulator is live and the (cached) values are reloaded per position.
-  8³ blocks: 503-531 GB/s (386-407: eight accumulators of 32 x 64).
+  8³ blocks: 503-531 GB/s (``decode_first_last``: 386-407, eight accumulators of 32 x 64).
 
 An 8³ block costs 8 + 64 multiply-adds per value instead of 1024.
 
-Precision. ``decode_first_last`` multiplies the stored values as they are by the rest basis with each chunk's
-steps folded in (:func:`scaled_basis`, made before each launch: 16 KB per chunk and first-axis band), and
-follows torch's float32 matmul setting. At ``"highest"`` (torch's default) the scaled basis is split into its
-TF32 part and the float32 rest (:func:`split_tf32`), which gives float32-level error (checked against the numba
-path by the tests) in two TF32 products where the stored values are exact in TF32
-(:func:`values_exact_in_tf32`: int8, float16 and bfloat16 values, and integers up to 2**11, which the bit-plane
-masks bound for free), and in three where they are not (the values split in the kernel, as in Triton's tf32x3,
-which also splits the basis in every program). ``"high"`` or ``"medium"`` allow one TF32 product, the basis
-rounded to 10 mantissa bits: 8x8 blocks 1066-1144 GB/s, colour blocks 693-743. Folding the steps into the basis
-instead of multiplying every value took 8x8 blocks from 739-773 to 810-833 GB/s and colour blocks from 568-574
-to 607-648 at ``"highest"`` (runs alternating on one H100). ``decode_first_inside`` sums over the first axis
-before its matmul, so the steps cannot move into its basis; it always takes three products: one measured slower
-on an H100 (433-442 against 530-541 GB/s, three runs).
+Precision. ``decode_flat`` and ``decode_first_last`` multiply the stored values as they are by the rest basis with
+each chunk's steps folded in (:func:`scaled_basis`, made before each launch: 16 KB per chunk and first-axis band),
+and follow torch's float32 matmul setting. At ``"highest"`` (torch's default) the scaled basis is split into its
+TF32 part and the float32 rest (:func:`split_tf32`), which gives float32-level error (checked against the numba path
+by the tests) in two TF32 products where the stored values are exact in TF32 (:func:`values_exact_in_tf32`: int8,
+float16 and bfloat16 values, and integers up to 2**11, which the bit-plane masks bound for free), and in three where
+they are not (the values split in the kernel, as in Triton's tf32x3, which also splits the basis in every program).
+``"high"`` or ``"medium"`` allow one TF32 product, the basis rounded to 10 mantissa bits: 8x8 blocks 1125-1172 GB/s,
+colour blocks 743-819. Folding the steps into the basis instead of multiplying every value took 8x8 blocks from
+739-773 to 810-833 GB/s and colour blocks from 568-574 to 607-648 at ``"highest"`` (runs alternating on one H100,
+before ``decode_flat`` and the present tiles). ``decode_first_inside`` sums over the first axis before its matmul,
+so the steps cannot move into its basis; it always takes three products: one measured slower on an H100 (433-442
+against 530-541 GB/s, three runs).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from dctchop.transform import TransformPlan, dct_matrix
 REST_PER_PROGRAM = 64  # BR: rest-of-block positions per program, at most
 GRID_Z_MAX = 65535  # CUDA's limit on the third grid dimension: chunks per launch
 FIRST_LAST_UP_TO = 4  # widest first axis for decode_first_last (its FW accumulators live in registers)
+FLAT_TILES = 4  # tiles of 32 blocks per decode_flat program, which loads the chunk's basis once for them
 
 
 def _pad(n: int) -> int:
@@ -82,8 +87,8 @@ def values_exact_in_tf32(stored: torch.Tensor, level_bound: float) -> bool:
 
 def scaled_basis(group: FusedGroup, steps: torch.Tensor) -> torch.Tensor:
     """``(n, n_first_bands, rows_pad, rest_pad)``: the rest basis per chunk and first-axis band, each row times
-    its band's step, which :func:`~dctchop.cuda_kernel.decode_first_last` then multiplies by the stored
-    values as they are."""
+    its band's step, which :func:`~dctchop.cuda_kernel.decode_flat` and
+    :func:`~dctchop.cuda_kernel.decode_first_last` then multiply by the stored values as they are."""
     return (steps[:, group.step_index.long()].unsqueeze(-1) * group.basis).contiguous()
 
 
@@ -106,9 +111,12 @@ class FusedGroup:
     block_off: torch.Tensor  # (n_blocks,) int32: offset of each block in the chunk
 
     @property
-    def first_last(self) -> bool:
-        """Whether decode_first_last decodes this group (else decode_first_inside)."""
-        return self.first_width <= FIRST_LAST_UP_TO
+    def kernel(self) -> str:
+        """Which kernel decodes this group: ``"flat"`` (no first axis), ``"first_last"`` (a first axis up to
+        FIRST_LAST_UP_TO wide) or ``"first_inside"`` (wider)."""
+        if self.first_width == 1:
+            return "flat"
+        return "first_last" if self.first_width <= FIRST_LAST_UP_TO else "first_inside"
 
 
 def fused_group(plan: TransformPlan, group, device: torch.device) -> FusedGroup:
@@ -168,7 +176,7 @@ def decode_groups(groups: list[FusedGroup], stored: torch.Tensor, steps: torch.T
                   clip: tuple[float, float] | None, half: bool, level_bound: float = math.inf) -> torch.Tensor:
     """Decode ``(n, n_values)`` stored values with ``(n, n_bands)`` float32 steps into ``(n, *shape)`` float32;
     ``level_bound`` bounds the stored values' magnitudes."""
-    from dctchop.cuda_kernel import decode_first_inside, decode_first_last
+    from dctchop.cuda_kernel import decode_first_inside, decode_first_last, decode_flat
 
     n = stored.shape[0]
     out = torch.empty((n, *shape), dtype=torch.float32, device=stored.device)
@@ -177,21 +185,30 @@ def decode_groups(groups: list[FusedGroup], stored: torch.Tensor, steps: torch.T
     precision = matmul_precision()
     split = precision == "tf32x3"
     split_values = split and not values_exact_in_tf32(stored, level_bound)
+    finish = {"ROUND": clip is not None, "HALF": half}
+    products = {"SPLIT_A": split_values, "SPLIT": split, "PRECISION": precision}
     steps = steps.contiguous()
     for first in range(0, n, GRID_Z_MAX):
         part = slice(first, min(n, first + GRID_Z_MAX))
         src, stp, dst = stored[part], steps[part], out[part]
-        for g in groups:
+        for g in groups:  # tile sizes from sweeps on an H100 (docs/performance.md)
             block_r = min(REST_PER_PROGRAM, g.rest_pad)
-            if g.first_last:  # tile sizes from a sweep on an H100
-                grid = (-(-g.n_blocks // 32), g.rest_pad // block_r, src.shape[0])
+            if g.kernel != "first_inside":
                 basis = scaled_basis(g, stp)
                 basis = split_tf32(basis) if split else (basis, basis)  # one TF32 product: no rest
+            if g.kernel == "flat":
+                grid = (-(-g.n_blocks // (32 * FLAT_TILES)), 1, src.shape[0])
+                decode_flat[grid](
+                    src, g.rows, *basis, g.sample_off, g.block_off, dst, stored.shape[1], chunk_size, g.start,
+                    g.n_blocks, g.rows_pad, g.rest_pad, lo, hi, BN=32, BK=g.rows_pad, BR=g.rest_pad,
+                    TILES=FLAT_TILES, **finish, **products, num_warps=2, num_stages=2)
+            elif g.kernel == "first_last":
+                grid = (-(-g.n_blocks // 32), g.rest_pad // block_r, src.shape[0])
                 decode_first_last[grid](
                     src, g.rows, g.first_rows, *basis, g.sample_off, g.block_off, dst, stored.shape[1],
                     chunk_size, g.start, g.n_blocks, g.n_first_bands, g.rows_pad, g.rest_pad, lo, hi, BN=32,
-                    BK=min(64, g.rows_pad), BR=block_r, FW=g.first_pad, ROUND=clip is not None, HALF=half,
-                    SPLIT_A=split_values, SPLIT=split, PRECISION=precision, num_warps=4, num_stages=2)
+                    BK=min(32, g.rows_pad), BR=block_r, FW=g.first_pad, **finish, **products, num_warps=2,
+                    num_stages=2)
             else:
                 block_n = max(16, block_r // 2)
                 grid = (-(-g.n_blocks // block_n), g.rest_pad // block_r, src.shape[0])
@@ -199,7 +216,7 @@ def decode_groups(groups: list[FusedGroup], stored: torch.Tensor, steps: torch.T
                     src, stp, g.rows, g.step_index, g.first_rows, g.basis, g.sample_off, g.block_off, dst,
                     stored.shape[1], steps.shape[1], chunk_size, g.start, g.n_blocks, g.n_first_bands,
                     g.first_width, g.rows_pad, g.rest_pad, lo, hi, BN=block_n, BK=min(32, g.rows_pad), BR=block_r,
-                    FW=g.first_pad, ROUND=clip is not None, HALF=half,
+                    FW=g.first_pad, **finish,
                     PRECISION="tf32x3",  # faster than one TF32 product
                     num_warps=4, num_stages=2)
     return out

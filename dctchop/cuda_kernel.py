@@ -37,6 +37,35 @@ def _finish(res, lo, hi, ROUND: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
+def decode_flat(stored, rows, basis_hi, basis_lo, sample_off, block_off, out, n_values, chunk_size, start, n_blocks,
+                rows_pad, rest_pad, lo, hi, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, TILES: tl.constexpr,
+                ROUND: tl.constexpr, HALF: tl.constexpr, SPLIT_A: tl.constexpr, SPLIT: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Decode one block group of blocks without a first axis (at most 64 values: ``BK == rows_pad``,
+    ``BR == rest_pad``), program (block tiles, 1, chunk): the chunk's scaled basis is loaded once, then each of
+    ``TILES`` tiles of ``BN`` blocks is one matmul ``values @ basis``, finished and stored."""
+    n = tl.program_id(2).to(tl.int64)
+    r = tl.arange(0, BR)
+    k = tl.arange(0, BK)
+    row = tl.load(rows + k)  # row of the group's (bands, blocks) matrix; -1: not kept
+    at = n * rows_pad * rest_pad + k[:, None] * rest_pad + r[None, :]
+    basis = tl.load(basis_hi + at)
+    rest = tl.load(basis_lo + at) if SPLIT else basis
+    where = tl.load(sample_off + r)  # -1 pads
+    values = stored + n * n_values + start
+    for tile in range(TILES):
+        b = (tl.program_id(0) * TILES + tile) * BN + tl.arange(0, BN)
+        in_group = b < n_blocks
+        v = tl.load(values + row.to(tl.int64)[None, :] * n_blocks + b[:, None],
+                    mask=in_group[:, None] & (row >= 0)[None, :], other=0)
+        res = _dot(v.to(tl.float32), basis, rest, tl.zeros((BN, BR), dtype=tl.float32), SPLIT_A, SPLIT, PRECISION)
+        res = _finish(res, lo, hi, ROUND, HALF)
+        there = tl.load(block_off + b, mask=in_group, other=0)
+        tl.store(out + n * chunk_size + (there[:, None] + where[None, :]), res,
+                 mask=in_group[:, None] & (where >= 0)[None, :])
+
+
+@triton.jit
 def decode_first_last(stored, rows, first_rows, basis_hi, basis_lo, sample_off, block_off, out, n_values,
                       chunk_size, start, n_blocks, n_first_bands, rows_pad, rest_pad, lo, hi, BN: tl.constexpr,
                       BK: tl.constexpr, BR: tl.constexpr, FW: tl.constexpr, ROUND: tl.constexpr,
@@ -44,7 +73,7 @@ def decode_first_last(stored, rows, first_rows, basis_hi, basis_lo, sample_off, 
     """Decode one block group, program (block tile, rest tile, chunk), reading every stored value once: for
     each kept band ``z`` of the first axis, ``t = values(z) @ B(z)`` on tensor cores, ``B(z)`` the rest basis
     with the chunk's steps of band ``z`` folded in, then every output position ``f`` along the first axis
-    gains ``C[z, f] * t``, in ``FW`` accumulators (``FW == 1``: no first axis)."""
+    gains ``C[z, f] * t``, in ``FW`` accumulators."""
     n = tl.program_id(2).to(tl.int64)
     r = tl.program_id(1) * BR + tl.arange(0, BR)
     b = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -52,10 +81,7 @@ def decode_first_last(stored, rows, first_rows, basis_hi, basis_lo, sample_off, 
     in_group = b < n_blocks
     values = stored + n * n_values + start
     chunk_basis = n * n_first_bands * rows_pad * rest_pad
-    if FW == 1:
-        res = tl.zeros((BN, BR), dtype=tl.float32)
-    else:
-        res = tl.zeros((FW, BN, BR), dtype=tl.float32)
+    res = tl.zeros((FW, BN, BR), dtype=tl.float32)
     for z in range(n_first_bands):
         t = tl.zeros((BN, BR), dtype=tl.float32)
         for k0 in range(0, rows_pad, BK):  # a tile of rest-of-block bands
@@ -67,20 +93,12 @@ def decode_first_last(stored, rows, first_rows, basis_hi, basis_lo, sample_off, 
             basis = tl.load(basis_hi + at)
             rest = tl.load(basis_lo + at) if SPLIT else basis
             t = _dot(v.to(tl.float32), basis, rest, t, SPLIT_A, SPLIT, PRECISION)
-        if FW == 1:
-            res += t
-        else:
-            res += tl.load(first_rows + z * FW + f)[:, None, None] * t[None, :, :]
+        res += tl.load(first_rows + z * FW + f)[:, None, None] * t[None, :, :]
     res = _finish(res, lo, hi, ROUND, HALF)
     there = tl.load(block_off + b, mask=in_group, other=0)
-    if FW == 1:
-        where = tl.load(sample_off + r)  # -1 pads
-        tl.store(out + n * chunk_size + (there[:, None] + where[None, :]), res,
-                 mask=in_group[:, None] & (where >= 0)[None, :])
-    else:
-        where = tl.load(sample_off + f[:, None] * rest_pad + r[None, :])
-        tl.store(out + n * chunk_size + (there[None, :, None] + where[:, None, :]), res,
-                 mask=in_group[None, :, None] & (where >= 0)[:, None, :])
+    where = tl.load(sample_off + f[:, None] * rest_pad + r[None, :])  # -1 pads
+    tl.store(out + n * chunk_size + (there[None, :, None] + where[:, None, :]), res,
+             mask=in_group[None, :, None] & (where >= 0)[:, None, :])
 
 
 @triton.jit

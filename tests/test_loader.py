@@ -1087,7 +1087,7 @@ def _check_interpreted_kernels(precision: str) -> None:
         groups = [fused_group(coded.plan, g, torch.device("cpu")) for g in block_groups(coded.plan)]
         stored, steps, last, bound = decoder.upload([stage(coded, "cpu")] * 2)
         exact = values_exact_in_tf32(stored, bound)
-        kinds |= {(g.first_width, g.first_last, exact) for g in groups}
+        kinds |= {(g.first_width, g.kernel, exact) for g in groups}
         ref = decode_chunk(data, header.shape, header.dtype)
         for level_bound in {bound, math.inf}:  # and with the stored values split, whatever they are
             got = decode_groups(groups, stored, steps, coded.plan.shape, decoder._clip, coded.dtype == np.float16,
@@ -1095,8 +1095,8 @@ def _check_interpreted_kernels(precision: str) -> None:
             if last is not None:
                 got.add_(last[0]).mul_(last[1])
             _assert_decodes_alike(got[1].numpy().astype(ref.dtype), ref, data)
-    first_last = {(w, exact) for w, fl, exact in kinds if fl}
-    assert {(1, True), (1, False), (3, True), (4, False)} <= first_last and (8, False, False) in kinds, kinds
+    assert {(1, "flat", True), (1, "flat", False), (3, "first_last", True), (4, "first_last", False),
+            (8, "first_inside", False)} <= kinds, kinds
 
 
 @needs_torch
