@@ -228,7 +228,8 @@ def _is_default_lossy(ds, samples: _Samples) -> bool:
 def _store_name_problem(path: str) -> str | None:
     """Why a store cannot hold a dataset or group at ``path``: Zarr keeps each group's metadata in a file
     named zarr.json beside its children, dctchop its per-chunk metadata in the root group dctchop_meta
-    (``dctchop.store.META_GROUP``), and '.' or '..' name no Zarr node."""
+    (``dctchop.store.META_GROUP``), '.' or '..' name no Zarr node, and Zarr reads a backslash in a key as '/'
+    (its metadata then lands elsewhere than the chunks)."""
     parts = [p for p in path.split("/") if p]
     if parts and parts[0] == META_GROUP:
         return f"would take the place of the store's metadata group {META_GROUP}"
@@ -236,6 +237,8 @@ def _store_name_problem(path: str) -> str | None:
         return "would take the place of a Zarr metadata file (zarr.json, in every group of the store)"
     if "." in parts or ".." in parts:
         return "has a name a Zarr store cannot hold ('.' or '..')"
+    if "\\" in path:
+        return "has a backslash in its name, which Zarr reads as '/'; a Zarr store cannot hold it"
     return None
 
 

@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import re
 import tempfile
 from dataclasses import FrozenInstanceError
 
@@ -525,6 +526,22 @@ def test_hdf5_names_the_store_keeps_for_itself(tmp_path, bad):
     assert f"/{bad}" in src.left_out
     with pytest.raises(DctchopError, match="would take the place of"):
         open_source(path, datasets=["images"], lossless=[bad])
+
+
+@pytest.mark.parametrize("bad", ["back\\slash", "g\\h/x", "labels\\1"])
+def test_hdf5_names_with_a_backslash_are_refused(tmp_path, bad):
+    # Zarr reads a backslash in a key as "/": the array's metadata went to back/slash/zarr.json, its chunks to
+    # back\slash/c.0.0.0, and compress reported success on a store that inspect called damaged
+    path = tmp_path / "names.h5"
+    with h5py.File(path, "w") as f:
+        f["images"] = np.ones((4, 8, 8), np.uint8)
+        f[bad] = np.ones((4, 8, 8), np.float32) if bad != "labels\\1" else np.arange(4)
+    what = "group" if bad.endswith("/x") else "dataset"
+    top = "/" + bad.split("/x")[0]
+    with pytest.raises(DctchopError, match=f"{what} {re.escape(top)} has a backslash in its name.*--dataset"):
+        open_source(path)
+    src = open_source(path, datasets=["images"])
+    assert names(src.lossy) == ["/images"] and f"/{bad}" in src.left_out
 
 
 def test_store_names_known_to_the_input_layer_are_the_stores():
