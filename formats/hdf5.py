@@ -578,13 +578,20 @@ class _Handle:
             return
 
 
+def _numeric_class(ds) -> bool:
+    """Whether ``ds`` is of HDF5's integer or float class (not a string, bitfield, enum, compound, ...)."""
+    h5t = _h5py().h5t
+    return ds.id.get_type().get_class() in (h5t.INTEGER, h5t.FLOAT)
+
+
 def read_hdf5(
     file: str, name: str, dtype: np.dtype, shape: tuple[int, ...], start: int, stop: int
 ) -> np.ndarray:
     """Rows ``[start, stop)`` of dataset ``name`` as a fresh C-contiguous array of ``dtype``.
 
-    HDF5 converts byte order while reading (``read_direct`` into a native buffer), so big-endian data
-    costs no extra copy.
+    HDF5 converts the byte order of integers and floats while reading (``read_direct`` into a native
+    buffer), so big-endian numbers cost no extra copy. Other types are read as h5py types them and copied:
+    HDF5 has no conversion from a UTF-8 string or a bitfield to the plain numpy dtype of ``out``.
     """
     handle = cached_handle(file, _Handle)
     ds = handle.dataset(name, shape, dtype)
@@ -595,9 +602,9 @@ def read_hdf5(
     try:
         if not ds.shape:  # a scalar; of an HDF5 array datatype, its array is the shape read here
             out[...] = ds[()][start:stop] if shape else ds[()]
-        elif ds.dtype.subdtype is None:
+        elif ds.dtype.subdtype is None and _numeric_class(ds):
             ds.read_direct(out, source_sel=np.s_[start:stop])
-        else:  # HDF5 array datatype: h5py cannot read_direct into the expanded shape
+        else:  # strings, bitfields, compounds, ...; and HDF5 array datatypes, whose shape read_direct cannot fill
             out[...] = ds[start:stop]
     except _H5_ERRORS as exc:
         raise DctchopError(

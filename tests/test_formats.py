@@ -544,6 +544,23 @@ def test_hdf5_names_with_a_backslash_are_refused(tmp_path, bad):
     assert names(src.lossy) == ["/images"] and f"/{bad}" in src.left_out
 
 
+def test_hdf5_utf8_strings_and_bitfields_are_copied(tmp_path):
+    # HDF5 has no conversion from a fixed-length UTF-8 string or a bitfield to a plain numpy dtype: reading
+    # them straight into such a buffer failed, with --lossless too
+    path = tmp_path / "types.h5"
+    utf8 = h5py.string_dtype("utf-8", 4)
+    with h5py.File(path, "w") as f:
+        f["images"] = np.ones((4, 8, 8), np.float32)
+        f["names"] = np.array(["\u00e4".encode(), b"b"], dtype=utf8)
+        f["rec"] = np.array([(1, "\u00e4".encode())], dtype=[("a", "<i4"), ("s", utf8)])
+        bits = h5py.h5d.create(f.id, b"bits", h5py.h5t.STD_B16BE, h5py.h5s.create_simple((8,)))
+        bits.write(h5py.h5s.ALL, h5py.h5s.ALL, np.arange(8, dtype=">u2"), mtype=h5py.h5t.STD_B16BE)
+    src = open_source(path)
+    got = {a.name: a.read() for a in src.lossless}
+    assert got["/names"].tolist() == [b"\xc3\xa4", b"b"] and got["/rec"].tolist() == [(1, b"\xc3\xa4")]
+    assert got["/bits"].tolist() == list(range(8)) and got["/bits"].dtype == np.uint16
+
+
 def test_store_names_known_to_the_input_layer_are_the_stores():
     from dctchop.formats import hdf5
     from dctchop.store import META_GROUP
