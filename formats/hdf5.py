@@ -382,6 +382,19 @@ class _Walk:
         :meth:`soft_targets`), sorted: the store cannot keep them."""
         return sorted([*self.unnamed, *(f"{path} -> {written}" for path, written, oid in soft_targets if oid is None)])
 
+    def own_paths(self, forced: list, chosen: list) -> tuple[list, list]:
+        """The names the datasets named ``--lossless`` (``forced``) and ``--dataset`` (``chosen``), as
+        (name given, dataset), are stored under: their own paths, the names the walk takes them under, so
+        that a name given through a soft link or another hard link stays an alias of the object. An object
+        named both ways is stored twice: the exact copy keeps the name given, the lossy one takes its own
+        path unless that is the copy's name. A name given twice for one object counts once."""
+        lossy_ids = {ds.id for _, ds in chosen}
+        forced = [(n if ds.id in lossy_ids else self._paths.get(ds.id, n), ds) for n, ds in forced]
+        copies = {n for n, _ in forced}
+        chosen = [(own if (own := self._paths.get(ds.id, n)) not in copies else n, ds) for n, ds in chosen]
+        unique = lambda pairs: list({n: ds for n, ds in pairs}.items())
+        return unique(forced), unique(chosen)
+
     def ids(self):
         """(object id, the path it is taken under) of every group and dataset of the walk."""
         return self._paths.items()
@@ -483,13 +496,16 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
                 kind = "a group" if isinstance(obj, h5py.Group) else "not a dataset"
                 raise DctchopError(f"{file}: {path} is {kind}, not a dataset; {walk.available()}")
             reason = _lossy_refusal(obj) if lossy else _unsupported(obj)
-            reason = reason or _store_name_problem(path) or _leaves_file(obj, file, follow_external)
+            reason = reason or _leaves_file(obj, file, follow_external)
             if reason:
                 raise DctchopError(f"{file}: dataset {path} {reason}")
             return obj
 
-        forced = [(n, named(n, lossy=False)) for n in lossless_names]
-        chosen = [(n, named(n, lossy=True)) for n in lossy_names]
+        forced, chosen = walk.own_paths([(n, named(n, lossy=False)) for n in lossless_names],
+                                        [(n, named(n, lossy=True)) for n in lossy_names])
+        for path, _ in forced + chosen:
+            if reason := _store_name_problem(path):
+                raise DctchopError(f"{file}: dataset {path} {reason}")
         # named with --dataset: the named ones are the lossy ones; what cannot be stored is left out
         left_out = [path for path, _ in walk.problems] if chosen else []
         if walk.problems and not chosen:
