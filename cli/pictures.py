@@ -119,7 +119,7 @@ def _print_sweep(result: dict) -> None:
                    f"{p['decode_mb_per_s']:>11.0f} {mark}".rstrip())
     for k in result["skipped"]:
         click.echo(f"  {k['name']:<{width}}  skipped: {k['reason']}")
-    click.echo("\n* Pareto front: no other setting has both a higher ratio and a higher PSNR.")
+    click.echo("\n* Pareto front: no other setting is as good on both ratio and PSNR and better on one.")
     rec = result["recommendation"]
     t = rec["target"]
     goal = f"ratio >= {t['value']:g}" if t["kind"] == "ratio" else f"PSNR >= {t['value']:g} dB"

@@ -175,9 +175,9 @@ def _real(value, name: str) -> float | None:
 # ---------------------------------------------------------------------------------------------- encode
 
 
-def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1) -> bytes:
-    """Compress one chunk into a self-describing byte string."""
-    return _encode(x, settings, threads, measure=False)[0]
+def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1, valid_rows: int | None = None) -> bytes:
+    """Compress one chunk into a self-describing byte string. ``valid_rows``: as in :func:`encode_and_measure`."""
+    return _encode(x, settings, threads, measure=False, valid_rows=valid_rows)[0]
 
 
 def encode_and_measure(x: np.ndarray, settings: ChunkSettings, threads: int = 1,

@@ -294,7 +294,7 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
     ranges, weights = _ratio_sample(plan) if sample is None else sample
     scale, coefficients = plan.peak, []  # the steps tried are relative to the data's scale, however small
     for start, stop in ranges:  # each sample chunk is transformed once, quantized at every step
-        x = _pad_to_chunk(plan.source.read(start, stop), plan.chunks, edge=0 in plan.axes)
+        x = _pad_to_chunk(plan.source.read(start, stop), plan.chunks, plan.axes)
         c = transform_chunk(x, settings, threads, valid_rows=stop - start)  # as the writer will
         scale = max(scale, float(np.abs(c.centred).max()))
         coefficients.append(c)
@@ -328,13 +328,13 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
     return math.exp((lo + hi) / 2)
 
 
-def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...], edge: bool = False) -> np.ndarray:
+def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
     """Samples padded to a whole chunk along axis 0: with zeros, as Zarr pads an edge chunk, or, when axis
-    0 is transformed (``edge``), by repeating the last sample, so the padding adds no edge inside a block
-    (readers never see the padding either way)."""
+    0 is one of the transformed ``axes``, by repeating the last sample, so the padding adds no edge inside a
+    block (readers never see the padding either way). Encode the result with ``valid_rows=len(x)``."""
     if x.shape[0] == chunks[0]:
         return x
-    if edge:
+    if 0 in axes:
         return np.concatenate([x, np.repeat(x[-1:], chunks[0] - x.shape[0], axis=0)])
     out = np.zeros(chunks, dtype=x.dtype)
     out[: x.shape[0]] = x
@@ -667,7 +667,7 @@ def _read_and_encode(plan: ArrayPlan, i: int, start: int, stop: int) -> tuple[by
     """Encode chunk ``i`` (samples ``[start, stop)``): the codec's bytes and the chunk's metadata but its
     stored size. The metrics are measured on a decode of exactly these bytes."""
     x = plan.source.read(start, stop)
-    chunk = _pad_to_chunk(x, plan.chunks, edge=0 in plan.axes)
+    chunk = _pad_to_chunk(x, plan.chunks, plan.axes)
     data, sse, max_err = encode_and_measure(chunk, plan.settings, valid_rows=stop - start)
     if not (math.isfinite(sse) and math.isfinite(max_err)):  # a chunk that would not decode: never written
         raise DctchopError(f"{plan.name}: chunk {i} does not survive the arithmetic of {plan.settings.precision} "

@@ -168,7 +168,8 @@ def measure(x: np.ndarray, setting: Setting, settings: ChunkSettings, peak: floa
     chunks = _chunks(x.shape, axes, settings.block, x.dtype, None)
     ranges = [(s, min(s + chunks[0], x.shape[0])) for s in range(0, x.shape[0], chunks[0])]
     started = time.perf_counter()
-    stored = [_stored_bytes(encode_chunk(_pad_to_chunk(x[s:e], chunks), settings, threads)) for s, e in ranges]
+    stored = [_stored_bytes(encode_chunk(_pad_to_chunk(x[s:e], chunks, axes), settings, threads, valid_rows=e - s))
+              for s, e in ranges]
     encode_s = time.perf_counter() - started
     decode_chunk(unframe(stored[0]), chunks, x.dtype, 1)  # compiles the kernels on a cold cache, untimed
     best, y = math.inf, None
