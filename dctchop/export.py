@@ -148,6 +148,13 @@ def _strings_only(value: list) -> bool:
 
 def _restore_dtype(attrs, key: str, dtype: str) -> None:
     """Give an attribute back the dtype JSON lost: its width (int16 written as int64), or the dtype of an
-    empty array (``[]`` reads back as float64); ``"str"``: an array of strings."""
-    value = np.asarray(attrs[key])
-    attrs[key] = value.astype(h5py.string_dtype() if dtype == "str" else dtype)
+    empty array (``[]`` reads back as float64) and, as a subarray dtype (``"(0,3)<i4"``), the shape of one
+    with more axes; ``"str"``: an array of strings."""
+    if dtype == "str":
+        attrs[key] = np.asarray(attrs[key]).astype(h5py.string_dtype())
+        return
+    dtype = np.dtype(dtype)
+    if dtype.subdtype is not None:
+        attrs[key] = np.zeros(dtype.subdtype[1], dtype.subdtype[0])
+    else:
+        attrs[key] = np.asarray(attrs[key]).astype(dtype)

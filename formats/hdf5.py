@@ -102,7 +102,8 @@ class _Attributes(NamedTuple):
 
 def _attributes(obj) -> _Attributes:
     """``obj``'s attributes, each read from the file once. Besides the numeric dtypes JSON widens,
-    ``dtypes`` keeps the dtype of every empty array (``"str"`` for strings): JSON's ``[]`` has none."""
+    ``dtypes`` keeps the dtype of every empty array (``"str"`` for strings): JSON's ``[]`` has none; and of
+    a numeric one with more axes, its shape, as a numpy subarray dtype (``"(0,3)<i4"``)."""
     items = list(_attr_items(obj))
     dropped: list[str] = []
     values = json_attrs(items, dropped)
@@ -113,7 +114,8 @@ def _attributes(obj) -> _Attributes:
         if value.dtype.kind in "OSU" and value.size == 0:
             dtypes[key] = "str"
         elif value.dtype.kind in "biuf" and (value.size == 0 or value.dtype not in (np.bool_, np.int64, np.float64)):
-            dtypes[key] = native_dtype(value.dtype).str
+            shape = f"({','.join(map(str, value.shape))})" if value.size == 0 and value.ndim > 1 else ""
+            dtypes[key] = shape + native_dtype(value.dtype).str
     return _Attributes(values, dtypes, dropped)
 
 

@@ -1113,7 +1113,9 @@ def test_decompress_restores_numeric_attribute_dtypes(tmp_path):
         f.attrs["version"] = np.uint8(2)
         f.create_group("g").attrs["levels"] = np.array([1.5, 2.5], np.float16)
         # JSON's [] has no dtype: empty arrays came back float64 (strings too); nested strings as JSON text
+        # and an empty array of more axes came back 1-D: (0, 3) as (0,)
         f["g"].attrs.update({"none": np.array([], np.int64), "no_flags": np.array([], bool),
+                             "no_rows": np.zeros((0, 3), np.int32), "no_cols": np.zeros((2, 0, 4), np.float32),
                              "no_names": np.array([], h5py.string_dtype()),
                              "grid": np.array([["a", "b"], ["c", "d"]], h5py.string_dtype())})
     ok(run("compress", src, store, "--quiet"))
