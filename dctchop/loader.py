@@ -363,7 +363,9 @@ class Loader:
         ignored.
     dtype : {"float32", "float16", "bfloat16", "uint8"} or None
         Dtype of lossy arrays in the batches (None: as stored). ``bfloat16`` needs torch output; ``uint8``
-        needs uint8 data and no normalisation. Lossless arrays (labels) keep their dtype.
+        needs uint8 data and no normalisation. ``float16`` holds magnitudes up to 65504: values beyond it
+        (after normalising) become inf, as in any cast; normalise fields with large values first. Lossless
+        arrays (labels) keep their dtype.
     layout : {"channels_first", "channels_last", "stored"}
         Axis order of image/volume arrays with channels (stored as NHWC, NCHW, NZYXC or NCZYX); arrays
         without a channel axis are yielded as stored.
