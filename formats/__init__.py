@@ -239,24 +239,46 @@ def open_source(
 # per-process cache of open handles, shared by the readers
 # --------------------------------------------------------------------------------------------------------
 
-_HANDLES: dict[tuple[int, str], Any] = {}
+_HANDLES: dict[tuple[int, str], tuple[tuple | None, Any]] = {}  # (pid, path) -> (file identity, handle)
 _HANDLES_LOCK = threading.RLock()
+
+
+def _identity(path: str) -> tuple | None:
+    """What tells a file from another one later written at the same path: device, inode, modification time
+    and size; None when the path cannot be looked up (a file deleted since: its open handle still reads it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def cached_handle(path: str, opener):
     """Return this process's cached handle for ``path``, opening it with ``opener(path)`` on a miss.
 
-    Keyed by ``(os.getpid(), path)`` so a forked child never reuses its parent's handle.
+    Keyed by ``(os.getpid(), path)`` so a forked child never reuses its parent's handle, and checked
+    against the file's identity: a file rewritten at the same path is opened afresh (the old handle
+    closed). A long-lived Dask worker keeps its handles from one compress to the next, and read the file
+    it had first opened there.
     """
-    key = (os.getpid(), path)
-    handle = _HANDLES.get(key)
-    if handle is None:
+    key, identity = (os.getpid(), path), _identity(path)
+    entry = _HANDLES.get(key)
+    if entry is None or identity not in (None, entry[0]):
         with _HANDLES_LOCK:
-            handle = _HANDLES.get(key)
-            if handle is None:
-                handle = opener(path)
-                _HANDLES[key] = handle
-    return handle
+            entry = _HANDLES.get(key)
+            if entry is None or identity not in (None, entry[0]):
+                if entry is not None:
+                    _close(entry[1])
+                entry = (identity, opener(path))
+                _HANDLES[key] = entry
+    return entry[1]
+
+
+def _close(handle) -> None:
+    close = getattr(handle, "close", None)
+    if close is not None:
+        with contextlib.suppress(Exception):  # closing (at exit too) must never raise
+            close()
 
 
 def close_all(path: str | os.PathLike | None = None) -> None:
@@ -270,11 +292,7 @@ def close_all(path: str | os.PathLike | None = None) -> None:
     with _HANDLES_LOCK:
         for key in list(_HANDLES):
             if key[0] == pid and (target is None or key[1] == target):
-                handle = _HANDLES.pop(key)
-                close = getattr(handle, "close", None)
-                if close is not None:
-                    with contextlib.suppress(Exception):  # closing (at exit too) must never raise
-                        close()
+                _close(_HANDLES.pop(key)[1])
         # entries of other pids were inherited through fork: drop them without touching the parent's handles
         for key in [k for k in _HANDLES if k[0] != pid]:
             del _HANDLES[key]

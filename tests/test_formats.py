@@ -369,6 +369,29 @@ def test_hdf5_reopen_after_rewrite(tmp_path):
     np.testing.assert_array_equal(a.read(), np.ones((4, 3)))
 
 
+@pytest.mark.parametrize("kind", ["h5", "npy", "npy-fortran"])
+def test_a_file_rewritten_at_the_same_path_is_read_afresh(tmp_path, kind):
+    # a long-lived Dask worker keeps its handles from one compress to the next (open_source runs in the
+    # client, not there), and compressed the file it had first read: wrong data, exit 0
+    path = tmp_path / ("x.h5" if kind == "h5" else "x.npy")
+
+    def write(value, to):
+        x = np.full((4, 8, 8), value, np.float32)
+        if kind == "h5":
+            with h5py.File(to, "w") as f:
+                f["a"] = x
+        else:
+            np.save(to, np.asfortranarray(x) if kind == "npy-fortran" else x)
+
+    write(1, path)
+    (a,) = open_source(path).lossy
+    np.testing.assert_array_equal(a.read(0, 2), 1)
+    write(2, tmp_path / "new")
+    os.replace(tmp_path / ("new.npy" if kind != "h5" else "new"), path)
+    np.testing.assert_array_equal(a.read(0, 2), 2)
+    close_all(path)
+
+
 def test_hdf5_attrs_converted(tmp_path):
     path = tmp_path / "attrs.h5"
     with h5py.File(path, "w") as f:
