@@ -68,7 +68,7 @@ def _run_local(dask, fn, items, scheduler, workers: int) -> Iterator:
     def compute():
         try:
             with Collect():
-                dask.compute(*tasks, scheduler=scheduler, pool=pool)
+                dask.compute(*tasks, scheduler=scheduler, pool=pool, chunksize=1)  # Dask's processes default: 6
         except BaseException as e:  # noqa: BLE001 - handed to the consuming thread and re-raised there
             finished.put(e)
         finished.put(done)

@@ -133,3 +133,15 @@ def test_local_dask_schedulers_run_the_workers_asked_for(tmp_path, source_h5, mo
     compress(open_source(str(source_h5)), tmp_path / "o.zarr", CompressOptions(chunk_samples=8, scheduler="threads",
                                                                               workers=1))
     assert names == {"dctchop-dask_0"}
+
+
+def test_the_processes_scheduler_gives_each_worker_its_own_tasks():
+    # Dask's multiprocessing scheduler hands its pool 6 tasks per job by default: an input of up to six
+    # tasks (384 MB) ran in one process, one task after another, whatever --workers said
+    def pid_of_a_slow_task():
+        import time
+
+        time.sleep(3)
+        return os.getpid()
+
+    assert len(set(run_tasks(pid_of_a_slow_task, [(), ()], "processes", 2))) == 2
