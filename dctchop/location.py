@@ -76,6 +76,11 @@ class Location:
         as object stores do implicitly."""
         return {"auto_mkdir": True} if self.target.startswith(("file://", "local://")) else {}
 
+    def absolute(self) -> Location:
+        """This location with a local path made absolute, for processes whose working directory may differ
+        (a Dask cluster's workers)."""
+        return self if self.is_url else Location(os.path.abspath(self.target))
+
     @property
     def path(self) -> Path:
         """The local directory (local locations only)."""

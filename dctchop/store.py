@@ -727,7 +727,7 @@ def _write_lossy(root: Location, plan: ArrayPlan, workers: int, scheduler: str |
         from dctchop.dask_runner import run_tasks
 
         per_task = max(1, DASK_TASK_BYTES // (math.prod(plan.chunks) * plan.source.dtype.itemsize))
-        runs = [(plan, root, items[i : i + per_task]) for i in range(0, len(items), per_task)]
+        runs = [(plan, root.absolute(), items[i : i + per_task]) for i in range(0, len(items), per_task)]
         results = _flatten(run_tasks(encode_chunks_task, runs, scheduler, workers))
     try:
         for r in results:

@@ -62,6 +62,15 @@ def test_cluster_store_equals_local_store(tmp_path, source_h5, cluster, target):
             assert a[key] == b[key], (name, key)
 
 
+def test_cluster_writes_to_a_relative_output(tmp_path, source_h5, cluster, monkeypatch):
+    # the workers (whose working directory is not the client's) took a relative output as their own: the
+    # compress failed, saying its temporary directory "was removed while chunks were being written"
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    compress(open_source(str(source_h5)), "rel.zarr", CompressOptions(scheduler=cluster.scheduler_address))
+    assert dctchop.open(tmp_path / "here" / "rel.zarr")["images"].shape == (50, 24, 24)
+
+
 def test_cluster_writes_to_an_fsspec_url(tmp_path, source_h5, cluster):
     """Workers in other processes write the chunks through fsspec (a ``file://`` URL takes the same code path
     as ``s3://``): the store equals the local one and reads back through the URL."""
