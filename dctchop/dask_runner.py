@@ -19,9 +19,10 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
-from dctchop.errors import DctchopError
+from dctchop.errors import DctchopError, first_line
 
 LOCAL_SCHEDULERS = ("threads", "processes")
+CONNECT_SECONDS = 10  # to reach a dask.distributed scheduler and hear from it
 
 
 def _require_dask(scheduler: str):
@@ -102,17 +103,38 @@ def _run_distributed(fn, items, address) -> Iterator:
         from distributed import Client, as_completed
     except ImportError:
         raise DctchopError(f"--scheduler {address} needs dask.distributed: pip install 'dctchop[dask]'") from None
-    try:
-        client = Client(address, timeout="10s", set_as_default=False)
-    except (OSError, TimeoutError, ValueError) as e:
-        raise DctchopError(f"cannot reach the Dask scheduler at {address}: {e}") from None
-    with client:
+    with _connect(Client, address) as client:
         futures = [client.submit(_in_worker, fn, *item, pure=False) for item in items]
         try:
             for future in as_completed(futures, loop=client.loop):
                 yield future.result()
         finally:
             client.cancel(futures)
+
+
+def _connect(Client, address: str):
+    """A client of the scheduler at ``address``, or a DctchopError within about CONNECT_SECONDS. Dask's own
+    timeout bounds the connection, not the first answer: a server that accepts and stays silent held the
+    Client forever, and one that answers but is no scheduler (an HTTP server) failed with whatever its
+    bytes read as (a message of 3 EiB: MemoryError)."""
+    made: queue.Queue = queue.Queue()
+
+    def connect():
+        try:
+            made.put(Client(address, timeout=f"{CONNECT_SECONDS}s", set_as_default=False))
+        except Exception as e:  # noqa: BLE001 - any failure here means there is no scheduler to use
+            made.put(e)
+
+    threading.Thread(target=connect, name="dctchop-dask-connect", daemon=True).start()
+    try:
+        client = made.get(timeout=CONNECT_SECONDS + 2)
+    except queue.Empty:
+        raise DctchopError(f"cannot reach the Dask scheduler at {address}: no answer in {CONNECT_SECONDS} s "
+                           "(is that a scheduler's address?)") from None
+    if isinstance(client, Exception):
+        raise DctchopError(f"cannot reach the Dask scheduler at {address}: "
+                           f"{type(client).__name__}: {first_line(client)}") from None
+    return client
 
 
 def _in_worker(fn: Callable, *args):

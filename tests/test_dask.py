@@ -154,3 +154,35 @@ def test_the_processes_scheduler_gives_each_worker_its_own_tasks():
         return os.getpid()
 
     assert len(set(run_tasks(pid_of_a_slow_task, [(), ()], "processes", 2))) == 2
+
+
+@pytest.mark.parametrize("reply", [None, b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n"])
+def test_an_address_where_no_scheduler_answers_is_a_clear_error(monkeypatch, reply):
+    # a server that accepts and stays silent (a dashboard's port, say) held the client forever; one that
+    # answers like a web server made an internal error (its reply read as a 3 EiB message: MemoryError)
+    import socket
+    import threading
+    import time
+
+    from dctchop import dask_runner
+    from dctchop.errors import DctchopError
+
+    monkeypatch.setattr(dask_runner, "CONNECT_SECONDS", 2)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def answer():
+            while True:
+                try:
+                    conn, _ = server.accept()
+                except OSError:  # closed
+                    return
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(reply)
+
+        if reply is not None:  # else nothing accepts: the connection waits in the backlog, unanswered
+            threading.Thread(target=answer, daemon=True).start()
+        address = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(DctchopError, match=f"^cannot reach the Dask scheduler at {address}: "):
+            list(run_tasks(os.getpid, [()], address, 1))
+        assert time.monotonic() - started < 8
