@@ -18,6 +18,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing import resource_tracker
 
 from dctchop.errors import DctchopError, first_line
 
@@ -67,6 +68,9 @@ def _run_local(dask, fn, items, scheduler, workers: int) -> Iterator:
                                    initializer=_ignore_interrupts)
 
     def compute():
+        if scheduler == "processes":  # the pool starts its workers from this thread: they inherit the block
+            resource_tracker.ensure_running()  # first: starting it unblocks SIGINT in the thread that does
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             with Collect():
                 dask.compute(*tasks, scheduler=scheduler, pool=pool, chunksize=1)  # Dask's processes default: 6
@@ -94,7 +98,8 @@ def _run_local(dask, fn, items, scheduler, workers: int) -> Iterator:
 
 def _ignore_interrupts() -> None:
     """In a worker process: Ctrl-C reaches the whole process group, and the parent stops the workers itself
-    (a worker's own KeyboardInterrupt printed a traceback)."""
+    (a worker's own KeyboardInterrupt printed a traceback). Workers start with SIGINT blocked, so a Ctrl-C
+    while they import (before this runs) waits; ignoring SIGINT discards it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

@@ -186,3 +186,14 @@ def test_an_address_where_no_scheduler_answers_is_a_clear_error(monkeypatch, rep
         with pytest.raises(DctchopError, match=f"^cannot reach the Dask scheduler at {address}: "):
             list(run_tasks(os.getpid, [()], address, 1))
         assert time.monotonic() - started < 8
+
+
+def test_processes_workers_start_with_ctrl_c_blocked():
+    # Ctrl-C while a worker was still importing (before its initializer ignores SIGINT) printed the worker's
+    # KeyboardInterrupt traceback above "dctchop: interrupted"
+    import signal
+
+    def blocked_and_ignored():
+        return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []), signal.getsignal(signal.SIGINT)
+
+    assert list(run_tasks(blocked_and_ignored, [()], "processes", 1)) == [(True, signal.SIG_IGN)]
