@@ -27,7 +27,8 @@ HDF5 selection rules (see :func:`open_source`):
   read as an object array (variable-length strings or sequences, references) or with a null dataspace
   cannot be copied bit-exactly, and a dataset or group named like a file of the store (``zarr.json``,
   ``dctchop_meta`` at the root) or with a backslash in its name (Zarr reads it as '/') cannot be stored:
-  both are refused, naming them; name the lossy datasets to leave them out. A root attribute named ``dctchop`` (the store's own record) is refused.
+  both are refused, naming them; name the lossy datasets to leave them out. A root attribute named
+  ``dctchop`` (the store's own record) is refused.
 * Named: when ``datasets`` is given, the named datasets are the lossy ones (only numeric, non-enum,
   non-empty dtypes may be named). The datasets that are lossless by default are still copied; the other
   datasets (numeric ones with ``ndim >= 2`` not named, and those that cannot be stored) are left out and
