@@ -20,6 +20,7 @@ crc32c, which are lossless and checked on read), so it describes what is on disk
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -50,6 +51,7 @@ from dctchop.codec import (
     read_header,
     transform_chunk,
 )
+from dctchop.dask_runner import task_runner
 from dctchop.errors import CorruptChunkError, DctchopError, first_line, output_exists
 from dctchop.formats import Source, SourceArray
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
@@ -714,21 +716,20 @@ def _flatten(batches: Iterator[list]) -> Iterator:
         batches.close()
 
 
-def _write_lossy(root: Location, plan: ArrayPlan, workers: int, scheduler: str | None,
+def _write_lossy(root: Location, plan: ArrayPlan, workers: int, run_tasks: Callable | None,
                  progress: Callable[[int], None]) -> dict:
-    """Encode every chunk (the arrays exist already) on local threads or on Dask, and write its files."""
+    """Encode every chunk (the arrays exist already) on local threads, or on Dask through ``run_tasks``
+    (:func:`dctchop.dask_runner.task_runner`), and write its files."""
     ranges = _chunk_ranges(plan.source.shape[0], plan.chunks[0])
     items = [(i, s, e) for i, (s, e) in enumerate(ranges)]
     meta = {k: np.zeros(len(ranges), dtype=v) for k, v in META_FIELDS.items()}
     sse = []  # summed exactly (math.fsum): the chunks finish in any order, and the store must not depend on it
-    if scheduler is None:
+    if run_tasks is None:
         results = _encode_and_write(root, plan, items, workers)
     else:
-        from dctchop.dask_runner import run_tasks
-
         per_task = max(1, DASK_TASK_BYTES // (math.prod(plan.chunks) * plan.source.dtype.itemsize))
         runs = [(plan, root.absolute(), items[i : i + per_task]) for i in range(0, len(items), per_task)]
-        results = _flatten(run_tasks(encode_chunks_task, runs, scheduler, workers))
+        results = _flatten(run_tasks(encode_chunks_task, runs))
     try:
         for r in results:
             for key in META_FIELDS:
@@ -865,39 +866,8 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     made_parents = _missing_parents(output)
     tmp = _temporary_sibling(output)
     tmp.remove()
-    started = time.perf_counter()
     try:
-        group = tmp.open_group("w", zarr_format=3)
-        for path, attrs in sorted(source.groups.items()):
-            if path.strip("/"):
-                group.require_group(path.strip("/")).attrs.update(attrs)
-        overheads = {}
-        for plan in plans:  # every search before any chunk is written: a target out of reach fails at once
-            if plan.source.dtype.kind == "f":
-                scan_float(plan, workers)
-            _create_lossy_arrays(group, plan)
-            if plan.target.kind == "ratio":
-                overheads[plan.name] = _metadata_bytes(tmp, plan)
-                _set_ratio_step(group, plan, workers, overheads[plan.name])
-        arrays = {}
-        for plan in plans:
-            result = _write_lossy(tmp, plan, workers, options.scheduler, progress)
-            arrays[plan.name] = _array_summary(plan, result, tmp)
-            if _resample_ratio(plan, arrays[plan.name]["ratio"]):
-                missed = arrays[plan.name]["ratio"]
-                by_size = _ratio_sample(plan, result["meta"]["stored_bytes"])
-                _set_ratio_step(group, plan, workers, overheads[plan.name], by_size)
-                result = _write_lossy(tmp, plan, workers, options.scheduler, lambda n: None)
-                plan.note = plan.note or (f"the step searched on chunks spread along the array gave ratio "
-                                          f"{missed:.4g}: searched again on chunks picked by their stored size, "
-                                          "and the array written again")
-                arrays[plan.name] = _array_summary(plan, result, tmp)
-            _check_ratio(plan, arrays[plan.name]["ratio"])
-        for array in source.lossless:
-            _write_lossless(group, source, array, options.zstd_level, progress)
-        seconds = time.perf_counter() - started
-        summary = _store_summary(source, arrays, seconds)
-        group.attrs.update({**source.groups.get("/", {}), "dctchop": json_safe(summary)})
+        summary = _write_store(tmp, source, plans, options, workers, progress)
         if overwrite and output.exists():
             old = _temporary_sibling(output, "old")
             output.rename(old)
@@ -912,6 +882,48 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     except BaseException:
         _discard_temporary(tmp, made_parents)
         raise
+    return summary
+
+
+def _write_store(tmp: Location, source: Source, plans: list[ArrayPlan], options: CompressOptions, workers: int,
+                 progress: Callable[[int], None]) -> dict:
+    """Write the whole store at ``tmp`` and return its summary. A Dask pool or cluster connection serves every
+    array and is let go before this returns, so no worker still writes when the caller moves or removes
+    ``tmp``."""
+    started = time.perf_counter()
+    runner = task_runner(options.scheduler, workers) if options.scheduler else contextlib.nullcontext()
+    with runner as run_tasks:
+        group = tmp.open_group("w", zarr_format=3)
+        for path, attrs in sorted(source.groups.items()):
+            if path.strip("/"):
+                group.require_group(path.strip("/")).attrs.update(attrs)
+        overheads = {}
+        for plan in plans:  # every search before any chunk is written: a target out of reach fails at once
+            if plan.source.dtype.kind == "f":
+                scan_float(plan, workers)
+            _create_lossy_arrays(group, plan)
+            if plan.target.kind == "ratio":
+                overheads[plan.name] = _metadata_bytes(tmp, plan)
+                _set_ratio_step(group, plan, workers, overheads[plan.name])
+        arrays = {}
+        for plan in plans:
+            result = _write_lossy(tmp, plan, workers, run_tasks, progress)
+            arrays[plan.name] = _array_summary(plan, result, tmp)
+            if _resample_ratio(plan, arrays[plan.name]["ratio"]):
+                missed = arrays[plan.name]["ratio"]
+                by_size = _ratio_sample(plan, result["meta"]["stored_bytes"])
+                _set_ratio_step(group, plan, workers, overheads[plan.name], by_size)
+                result = _write_lossy(tmp, plan, workers, run_tasks, lambda n: None)
+                plan.note = plan.note or (f"the step searched on chunks spread along the array gave ratio "
+                                          f"{missed:.4g}: searched again on chunks picked by their stored size, "
+                                          "and the array written again")
+                arrays[plan.name] = _array_summary(plan, result, tmp)
+            _check_ratio(plan, arrays[plan.name]["ratio"])
+        for array in source.lossless:
+            _write_lossless(group, source, array, options.zstd_level, progress)
+        seconds = time.perf_counter() - started
+        summary = _store_summary(source, arrays, seconds)
+        group.attrs.update({**source.groups.get("/", {}), "dctchop": json_safe(summary)})
     return summary
 
 
