@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
 import click
-
-from dctchop import quantize as qz
-from dctchop.errors import DctchopError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 PSNR_HELP = ("PSNR = 20 log10(peak) - 10 log10(MSE); peak = the dtype's range for integer data (255 for uint8), "
@@ -56,14 +51,18 @@ def check_axes(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def check_target_ratio(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    """Option callback: a ratio target takes what compress's --ratio takes (:class:`dctchop.store.Target`)."""
-    if value is not None and not (math.isfinite(value) and value >= 1):  # NaN too
-        raise DctchopError(f"{param.opts[0]} must be a finite number, at least 1, got {value:g}")
+    """Option callback: a ratio target takes what compress's --ratio takes."""
+    from dctchop.store import check_target  # late, as every command's imports: --help stays quick
+
+    if value is not None:
+        check_target("ratio", value, param.opts[0])
     return value
 
 
 def check_target_psnr(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    """Option callback: a PSNR target takes what compress's --psnr takes (:class:`dctchop.store.Target`)."""
-    if value is not None and not 0 < value < qz.MAX_PSNR:
-        raise DctchopError(f"{param.opts[0]} must be a number of dB between 0 and {qz.MAX_PSNR}, got {value:g}")
+    """Option callback: a PSNR target takes what compress's --psnr takes."""
+    from dctchop.store import check_target
+
+    if value is not None:
+        check_target("psnr", value, param.opts[0])
     return value

@@ -91,11 +91,18 @@ class Target:
     value: float | tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.kind == "ratio" and not (isinstance(self.value, (int, float)) and math.isfinite(self.value)
-                                         and self.value >= 1):
-            raise DctchopError(f"--ratio must be a finite number, at least 1, got {self.value}")
-        if self.kind == "psnr" and not (isinstance(self.value, (int, float)) and 0 < self.value < qz.MAX_PSNR):
-            raise DctchopError(f"--psnr must be a number of dB between 0 and {qz.MAX_PSNR}, got {self.value}")
+        check_target(self.kind, self.value)
+
+
+def check_target(kind: str, value, option: str | None = None) -> None:
+    """Refuse a ``ratio`` or ``psnr`` target no data can meet; the message names ``option`` (default
+    ``--ratio``/``--psnr``), so that other commands' options taking a target say their own name."""
+    number = isinstance(value, (int, float))
+    shown = f"{value:g}" if number else repr(value)
+    if kind == "ratio" and not (number and math.isfinite(value) and value >= 1):  # NaN too
+        raise DctchopError(f"{option or '--ratio'} must be a finite number, at least 1, got {shown}")
+    if kind == "psnr" and not (number and 0 < value < qz.MAX_PSNR):
+        raise DctchopError(f"{option or '--psnr'} must be a number of dB between 0 and {qz.MAX_PSNR}, got {shown}")
 
 
 @dataclass(frozen=True)
