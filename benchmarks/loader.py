@@ -21,7 +21,8 @@ epoch) and the same output (contiguous float32 batches, channels-first and norma
   fused Triton kernels at torch's default float32 precision and with TF32 allowed, and the matmul path; the
   matmul decoder on CPU torch is always shown for reference.
 
-Data: the bundled 32x32 RGB sample tiled to ``--images`` images (uint8 NHWC), and ``--fields`` float32
+Data: the bundled 32x32 RGB sample grown to ``--images`` distinct images (uint8 NHWC; augmented copies, see
+``sample_images.py``), and ``--fields`` float32
 (32, 32, 32) volumes cut from the bundled 64³ field at shifted offsets. Epochs of 64 and 16 batches by
 default. The image epoch is 13 chunks (4 shuffle windows), short next to a training epoch: at its start the
 first window decodes before any batch. ``--images 65536`` (49 chunks, about CIFAR-10's size) measured 250,300
@@ -52,6 +53,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from sample_images import image_stack
 
 import dctchop
 from dctchop import quantize as qz
@@ -69,10 +71,7 @@ IMAGE_MEAN, IMAGE_STD = (120.0, 118.0, 110.0), (60.0, 58.0, 62.0)
 
 
 def make_data(tmp: Path, n_images: int, n_fields: int) -> dict:
-    with h5py.File(ROOT / "sample_data/images.h5") as f:
-        images, labels = f["images"][:], f["labels"][:]
-    reps = -(-n_images // len(images))
-    images, labels = np.concatenate([images] * reps)[:n_images], np.concatenate([labels] * reps)[:n_images]
+    images, labels = image_stack(n_images)
     with h5py.File(tmp / "images.h5", "w") as f:
         f["images"], f["labels"] = images, labels
     np.save(tmp / "images.npy", images)

@@ -3,9 +3,10 @@
 This is how a map-style torch ``Dataset`` (``__getitem__`` per sample, a shuffling sampler) or a notebook
 reads a store; :class:`dctchop.Loader` is the fast way to shuffle for training (``benchmarks/loader.py``).
 
-Data: the bundled 32x32 RGB sample tiled to ``--images`` images (uint8 NHWC, with its labels) and ``--fields``
-float32 32³ volumes cut from the bundled 64³ field, each compressed with the defaults (``--psnr 40`` /
-``--psnr 60``), and the images once more with ``--chunk-samples 64``. By default both are bigger decoded (200
+Data: the bundled 32x32 RGB sample grown to ``--images`` distinct images (uint8 NHWC, with its labels;
+augmented copies, see ``sample_images.py``) and ``--fields`` float32 32³ volumes cut from the bundled 64³
+field, each compressed with the defaults (``--psnr 40`` / ``--psnr 60``), and the images once more with
+``--chunk-samples 64``. By default both are bigger decoded (200
 and 270 MB) than what a view keeps decoded, and their chunks' checked bytes (110 and 45 MB) fit in what it
 keeps of those (see :class:`dctchop.dataset.ArrayView`), as for CIFAR-10. For each store and path, each round
 opens the store afresh (nothing kept) and reads for about ``--seconds`` seconds: samples/s is the median over
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from sample_images import image_stack
 
 import dctchop
 from dctchop.formats import open_source
@@ -39,12 +41,9 @@ BATCH = 256
 
 
 def make_stores(tmp: Path, n_images: int, n_fields: int) -> dict[str, Path]:
-    with h5py.File(ROOT / "sample_data/images.h5") as f:
-        images, labels = f["images"][:], f["labels"][:]
-    reps = -(-n_images // len(images))
+    images, labels = image_stack(n_images)
     with h5py.File(tmp / "images.h5", "w") as f:
-        f["images"] = np.concatenate([images] * reps)[:n_images]
-        f["labels"] = np.concatenate([labels] * reps)[:n_images]
+        f["images"], f["labels"] = images, labels
     field = np.load(ROOT / "sample_data/field.npy")
     shifts = np.random.default_rng(0).integers(0, 64, size=(n_fields, 3))
     fields = np.stack([np.roll(field, tuple(s), axis=(0, 1, 2))[:32, :32, :32] for s in shifts])
