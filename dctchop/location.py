@@ -9,6 +9,8 @@ variables such as ``FSSPEC_S3_ENDPOINT_URL``, ``~/.config/fsspec``, the cloud SD
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import stat
@@ -18,6 +20,13 @@ from pathlib import Path
 import zarr
 
 from dctchop.errors import DctchopError
+
+
+def absolute_path(path: str | os.PathLike) -> str:
+    """``path`` made absolute as the operating system resolves it. ``os.path.abspath`` drops ``link/..`` by
+    its text, which names another directory when ``link`` is a symbolic link (``L/../in.h5`` read an
+    unrelated ``./in.h5``)."""
+    return os.fspath(Path(path).absolute())
 
 
 def is_url(target: str | os.PathLike) -> bool:
@@ -32,13 +41,35 @@ def store_holding(path: Path) -> Path | None:
 
 def refuse_special_file(path: Path, output) -> None:
     """Refuse to replace an output ``path`` that is a device, FIFO or socket: only a file, a link or a store is
-    ever replaced (run as root, ``--overwrite`` once turned ``/dev/null`` into a directory)."""
+    ever replaced (run as root, ``--overwrite`` once turned ``/dev/null`` into a directory). Refuse a path
+    that cannot even be looked at (a name over 255 bytes failed later, as an internal error)."""
     try:
         mode = os.lstat(path).st_mode
-    except OSError:  # absent (or unreachable: writing it will say so)
+    except FileNotFoundError:
         return
+    except OSError as e:  # a name too long, a parent that is a file: nothing could be written there
+        raise DctchopError(f"output {output}: {e.strerror}") from None
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
         raise DctchopError(f"output {output} is a device, FIFO or socket, not a file; refusing to replace it")
+
+
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # renameat2's "relative to the working directory" and its swap flag
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap what two local paths name in one atomic step (Linux's renameat2 with RENAME_EXCHANGE); False,
+    with nothing done, where the system or the file system has no such call."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a C library without it
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a kernel or file system that cannot swap
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(b))
 
 
 class Location:
@@ -79,7 +110,7 @@ class Location:
     def absolute(self) -> Location:
         """This location with a local path made absolute, for processes whose working directory may differ
         (a Dask cluster's workers)."""
-        return self if self.is_url else Location(os.path.abspath(self.target))
+        return self if self.is_url else Location(absolute_path(self.target))
 
     @property
     def path(self) -> Path:
@@ -175,14 +206,17 @@ class Location:
                     os.makedirs(parent, exist_ok=True)
                 Path(path).write_bytes(data)
 
-    def remove(self) -> None:
-        """Remove the whole store (or a file), whichever it is; nothing when absent."""
+    def remove(self, check: bool = False) -> None:
+        """Remove the whole store (or a file), whichever it is; nothing when absent. A local directory's
+        removal goes as far as it can, and with ``check`` then raises the error that stopped it."""
         if self.is_url:
             fs, path = self._fs
             if fs.exists(path):
                 fs.rm(path, recursive=True)
         elif self.is_dir() and not self.path.is_symlink():
             shutil.rmtree(self.path, ignore_errors=True)
+            if check and os.path.lexists(self.path):
+                shutil.rmtree(self.path)  # only what is left: raises the error that kept it
         else:
             self.path.unlink(missing_ok=True)
 

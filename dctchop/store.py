@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
+import hashlib
 import json
 import math
 import os
+import re
 import struct
 import time
 import uuid
@@ -56,7 +59,7 @@ from dctchop.errors import CorruptChunkError, DctchopError, first_line, output_e
 from dctchop.formats import Source, SourceArray
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
 from dctchop.layout import colour_axis, infer_axes
-from dctchop.location import Location, refuse_special_file, store_holding
+from dctchop.location import Location, absolute_path, exchange, refuse_special_file, store_holding
 from dctchop.transform import check_blocks, make_plan, per_axis, resolve_threads
 
 # 3: every chunk of the lossless copies is written, even one of fill values, so a missing one is damage;
@@ -353,29 +356,49 @@ def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...], axes: tuple[int, ...])
 # ---------------------------------------------------------------------------------------------- writing
 
 
+NAME_MAX = 255  # bytes in one file name (Linux, macOS and Windows file systems)
+TEMPORARY_SUFFIX = re.compile(r"\.dctchop-(tmp|old)-(\w+)")  # what _temporary_sibling adds; its tag
+
+
+def _temporary_stem(name: str) -> str:
+    """``name`` as its temporaries carry it: whole, or its first 100 bytes and a hash of all of it where
+    ``.NAME.dctchop-old-TAG`` would be longer than NAME_MAX (a valid 250-byte output name failed there)."""
+    raw = os.fsencode(name)
+    if len(raw) + len(".dctchop-old-") + 21 <= NAME_MAX:  # 1 for the dot, 20 for the longest tag (a pid)
+        return name
+    return os.fsdecode(raw[:100]) + "~" + hashlib.sha256(raw).hexdigest()[:16]
+
+
 def _temporary_sibling(output: Location, kind: str = "tmp") -> Location:
     """The new store being written (``tmp``) or the old one an --overwrite moves aside (``old``). Local (a path
     or a ``file://`` URL): named by this process's id, so a later run can tell a killed run's leftovers from a
     live one's. Remote: a random name (writers on other hosts share the namespace, and nobody can tell whether
     they live)."""
     tag = str(os.getpid()) if output.local_path is not None else uuid.uuid4().hex[:12]
-    return output.sibling(f".{output.name}.dctchop-{kind}-{tag}")
+    return output.sibling(f".{_temporary_stem(output.name)}.dctchop-{kind}-{tag}")
 
 
 def remove_stale_temporaries(output: Location) -> None:
     """Clean up after a killed run (SIGKILL, power loss): remove the temporaries whose process no longer
     exists, and put back an old store that an --overwrite moved aside but never replaced. A live process's
-    files are never touched. Local outputs only: a killed run's temporary at a remote URL stays (its name says
-    what it is) because a process on another host cannot be checked."""
+    files are never touched, nor those of another output (the name is matched as text, not as a pattern:
+    ``a?.zarr`` once put back ``ab.zarr``'s old store as its own). Local outputs only: a killed run's
+    temporary at a remote URL stays (its name says what it is) because a process on another host cannot be
+    checked."""
     path = output.local_path
     if path is None:
         return
-    for tmp in path.parent.glob(f".{path.name}.dctchop-*-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
+    stem = f".{_temporary_stem(path.name)}"
+    for tmp in path.parent.glob(f"{glob.escape(stem)}.dctchop-*-*"):
+        found = TEMPORARY_SUFFIX.fullmatch(tmp.name[len(stem):])
+        if found is None or not found[2].isdigit():
             continue
-        if ".dctchop-old-" in tmp.name and not path.exists():
-            os.rename(tmp, path)  # killed between the two renames of --overwrite: the old store is the output
+        pid = int(found[2])
+        if pid == os.getpid() or _process_alive(pid):
+            continue
+        if found[1] == "old" and not path.exists():
+            with contextlib.suppress(FileNotFoundError):  # another run put it back first
+                os.rename(tmp, path)  # killed between the two renames of --overwrite: the old store is the output
         else:
             Location(tmp).remove()
 
@@ -429,18 +452,37 @@ def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
     if local is not None:
         out = local.resolve()
         src = Path(source_path).resolve()
-        if out == src or src in out.parents or out in src.parents:
+        if out == src or src in out.parents or out in src.parents or _within(src, out):
             raise DctchopError(f"output {output} must not be the input, inside it, or contain it")
+        refuse_special_file(local, output)
         holder = store_holding(out)
         if holder is not None:
             raise DctchopError(f"output {output} must not be inside the Zarr store {holder}")
         if not output.is_url and not out.parent.is_dir():  # a file:// URL makes its parents, as object stores
             raise DctchopError(f"output directory {output.path.parent} does not exist")
-        refuse_special_file(local, output)
     if output.exists() and not overwrite:
         raise output_exists(output)
     if output.is_dir() and not is_dctchop_store(output):
         raise DctchopError(f"output {output} is a directory that is not a dctchop store; refusing to replace it")
+    if overwrite and local is not None and local.is_dir() and not local.is_symlink():
+        for directory, _, _ in os.walk(local):
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise DctchopError(f"cannot --overwrite {output}: {directory} is not writable, so the old store "
+                                   "could not be removed")
+
+
+def _within(path: Path, directory: Path) -> bool:
+    """Whether ``path`` is ``directory`` or lies below it, judged by file identity (device and inode): under a
+    bind mount the same directory has another path, and an --overwrite through it deleted the input."""
+    try:
+        target = os.stat(directory)
+    except OSError:  # nothing there yet
+        return False
+    for p in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(p), target):
+                return True
+    return False
 
 
 def is_dctchop_store(location: Location) -> bool:
@@ -875,13 +917,7 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     tmp.remove()
     try:
         summary = _write_store(tmp, source, plans, options, workers, progress)
-        if overwrite and output.exists():
-            old = _temporary_sibling(output, "old")
-            output.rename(old)
-            tmp.rename(output)
-            old.remove()
-        else:
-            tmp.rename(output)
+        replaced = _put_in_place(tmp, output, overwrite)
     except OSError as e:
         _discard_temporary(tmp, made_parents)
         where = f" ({e.filename})" if e.filename else ""
@@ -889,7 +925,40 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     except BaseException:
         _discard_temporary(tmp, made_parents)
         raise
+    if replaced is not None:
+        _remove_replaced(replaced, output)
     return summary
+
+
+def _put_in_place(tmp: Location, output: Location, overwrite: bool) -> Location | None:
+    """Move the finished store from ``tmp`` to ``output``; return where the store it replaced is now (None
+    when there was none). With --overwrite, a local output and the new store swap places in one atomic step
+    where the system allows (Linux), so a reader never finds the output missing; elsewhere the old store is
+    moved aside first, and put back if the new one cannot follow."""
+    if not (overwrite and output.exists()):
+        tmp.rename(output)
+        return None
+    if output.local_path is not None and exchange(tmp.local_path, output.local_path):
+        return tmp  # which now holds the old store
+    old = _temporary_sibling(output, "old")
+    output.rename(old)
+    try:
+        tmp.rename(output)
+    except BaseException:
+        with contextlib.suppress(OSError):  # nothing to put back if another run has filled the place
+            old.rename(output)
+        raise
+    return old
+
+
+def _remove_replaced(old: Location, output: Location) -> None:
+    """Remove the store an --overwrite replaced, or say that it stays: left unsaid, a directory in it that was
+    not writable kept the whole old store hidden beside the new one."""
+    try:
+        old.remove(check=True)
+    except OSError as e:
+        raise DctchopError(f"{output} was written, but the store it replaced could not be removed from {old}: "
+                           f"{e.strerror or e} ({e.filename}); remove it by hand") from None
 
 
 def _write_store(tmp: Location, source: Source, plans: list[ArrayPlan], options: CompressOptions, workers: int,
@@ -1010,7 +1079,7 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
         "store_format": STORE_FORMAT,
         "version": __version__,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "source": {"path": os.path.abspath(source.path), "kind": source.kind,
+        "source": {"path": absolute_path(source.path), "kind": source.kind,
                    "follow_external": source.follow_external},
         "arrays": arrays,
         "lossless": [array_name(source, a) for a in source.lossless],

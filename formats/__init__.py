@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from dctchop.errors import DctchopError
+from dctchop.location import absolute_path
 
 __all__ = ["HDF5_SUFFIXES", "NPY_SUFFIXES", "Source", "SourceArray", "close_all", "open_source"]
 
@@ -289,7 +290,7 @@ def close_all(path: str | os.PathLike | None = None) -> None:
     file, so re-opening a file that was rewritten never reads through a stale handle.
     """
     pid = os.getpid()
-    target = None if path is None else os.path.abspath(os.fspath(path))
+    target = None if path is None else absolute_path(path)
     with _HANDLES_LOCK:
         for key in list(_HANDLES):
             if key[0] == pid and (target is None or key[1] == target):
@@ -319,7 +320,7 @@ def _check_file(path) -> str:
         raise DctchopError(f"input path must be a string or path-like, not {type(path).__name__}") from None
     if isinstance(raw, bytes):
         raw = os.fsdecode(raw)
-    file = os.path.abspath(raw)
+    file = absolute_path(raw)
     if not os.path.exists(file):
         raise DctchopError(f"{file}: no such file")
     if os.path.isdir(file):

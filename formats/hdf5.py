@@ -36,6 +36,7 @@ from dctchop.formats import (
     json_attrs,
     native_dtype,
 )
+from dctchop.location import absolute_path
 
 __all__ = ["open_hdf5", "read_hdf5"]
 
@@ -248,7 +249,7 @@ def _same_file(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:
-        return os.path.abspath(a) == os.path.abspath(b)
+        return absolute_path(a) == absolute_path(b)
 
 
 def _leaves_file(ds, file: str, follow_external: bool) -> str | None:

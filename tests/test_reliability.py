@@ -219,6 +219,180 @@ def test_overwrite_refuses_to_replace_something_that_is_not_a_store(tmp_path, in
     assert snapshot(out) == before
 
 
+def dead_pid() -> int:
+    """The id of a process that has ended (a killed run's temporaries carry such an id)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_temporaries_are_matched_by_the_output_name_as_text(tmp_path, inputs):
+    # the clean-up of killed runs globbed ".NAME.dctchop-*-*" unescaped: for "a?.zarr" it put back
+    # ab.zarr's old store (left by an --overwrite killed between its two renames) as a?.zarr's, and the run
+    # failed; for "a[1].zarr" it never found its own killed run's temporary
+    pid = dead_pid()
+    ok(run("compress", inputs / "images.npy", tmp_path / "ab.zarr", "--quiet"))
+    others = tmp_path / f".ab.zarr.dctchop-old-{pid}"
+    (tmp_path / "ab.zarr").rename(others)
+    before = snapshot(others)
+    ok(run("compress", inputs / "field.npy", tmp_path / "a?.zarr", "--quiet"))
+    assert snapshot(others) == before
+    assert read_store(tmp_path / "a?.zarr").shape == (16, 24, 24)
+    killed = tmp_path / f".a[1].zarr.dctchop-tmp-{pid}"
+    killed.mkdir()
+    ok(run("compress", inputs / "field.npy", tmp_path / "a[1].zarr", "--quiet"))
+    assert not killed.exists()
+
+
+def test_an_output_name_of_250_bytes_takes_temporaries_that_fit(tmp_path, inputs):
+    # ".NAME.dctchop-tmp-PID" was over the 255-byte limit of a file name: internal error
+    out = tmp_path / ("x" * 245 + ".zarr")
+    ok(run("compress", inputs / "images.npy", out, "--quiet"))
+    ok(run("compress", inputs / "images.npy", out, "--quiet", "--overwrite"))
+    assert read_store(out).shape == (64, 16, 16)
+    npy = tmp_path / ("y" * 246 + ".npy")
+    ok(run("decompress", out, npy))
+    assert np.load(npy).shape == (64, 16, 16)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, npy.name])
+    too_long = tmp_path / ("z" * 251 + ".zarr")
+    user_error(run("compress", inputs / "images.npy", too_long), "File name too long")
+    assert list(tmp_path.glob(".z*")) == []
+
+
+def test_a_path_through_a_symbolic_link_and_dotdot_is_resolved_as_the_system_does(tmp_path, inputs, monkeypatch):
+    # "L/../in.npy", L a link to deep/sub, names deep/in.npy; os.path.abspath made it ./in.npy by its text
+    (tmp_path / "deep" / "sub").mkdir(parents=True)
+    (tmp_path / "L").symlink_to(tmp_path / "deep" / "sub")
+    shutil.copy(inputs / "images.npy", tmp_path / "deep" / "in.npy")
+    np.save(tmp_path / "in.npy", np.zeros((8, 16, 16), np.uint8))  # not this one
+    ok(run("compress", "L/../in.npy", "L/../out.zarr", "--quiet", cwd=tmp_path))
+    assert read_store(tmp_path / "deep" / "out.zarr").shape == (64, 16, 16)
+    assert not (tmp_path / "out.zarr").exists()
+
+
+def test_overwrite_swaps_the_new_store_in_without_a_moment_of_absence(tmp_path, inputs, monkeypatch):
+    # the old store was renamed aside and then the new one into place: a reader in between found no store,
+    # and a second writer in between left the old store behind
+    from dctchop import store
+    from dctchop.formats import open_source
+    from dctchop.location import exchange
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").write_text("b")
+    if not exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("this system or file system cannot swap two paths in one step")
+    out = tmp_path / "out.zarr"
+    store.compress(open_source(str(inputs / "images.npy")), out)
+    renamed = []
+    rename = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: (renamed.append(Path(a)), rename(a, b)))
+    store.compress(open_source(str(inputs / "field.npy")), out, overwrite=True)
+    assert out not in renamed
+    assert read_store(out).shape == (16, 24, 24)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_an_overwrite_whose_new_store_cannot_move_in_puts_the_old_one_back(tmp_path, inputs, monkeypatch):
+    # where the system cannot swap: the old store was moved aside and, the second rename failing, stayed
+    # aside, hidden, with no output left
+    from dctchop import store
+    from dctchop.errors import DctchopError
+    from dctchop.formats import open_source
+    from dctchop.location import Location
+
+    out = tmp_path / "out.zarr"
+    store.compress(open_source(str(inputs / "images.npy")), out)
+    before = snapshot(out)
+    monkeypatch.setattr(store, "exchange", lambda a, b: False)
+    rename = Location.rename
+
+    def failing(self, to):
+        if ".dctchop-tmp-" in self.target:
+            raise OSError(28, "No space left on device", self.target)
+        rename(self, to)
+
+    monkeypatch.setattr(Location, "rename", failing)
+    with pytest.raises(DctchopError, match="No space left on device"):
+        store.compress(open_source(str(inputs / "field.npy")), out, overwrite=True)
+    assert snapshot(out) == before
+    assert siblings(out) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root removes whatever the modes say")
+def test_overwrite_of_a_store_that_cannot_be_removed_is_refused(tmp_path, inputs):
+    # exit 0, and the whole old store stayed beside the new one as a hidden temporary for good
+    out = tmp_path / "out.zarr"
+    ok(run("compress", inputs / "images.npy", out, "--quiet"))
+    (out / "data").chmod(0o555)
+    try:
+        before = snapshot(out)
+        user_error(run("compress", inputs / "field.npy", out, "--overwrite"), "data is not writable")
+        assert snapshot(out) == before
+        assert siblings(out) == []
+    finally:
+        (out / "data").chmod(0o755)
+
+
+def test_an_old_store_that_cannot_be_removed_after_an_overwrite_is_reported(tmp_path, inputs, monkeypatch):
+    from dctchop import store
+    from dctchop.errors import DctchopError
+    from dctchop.formats import open_source
+    from dctchop.location import Location
+
+    out = tmp_path / "out.zarr"
+    store.compress(open_source(str(inputs / "images.npy")), out)
+    remove = Location.remove
+
+    def refusing(self, check=False):
+        if check:
+            raise PermissionError(13, "Permission denied", self.target)
+        remove(self)
+
+    monkeypatch.setattr(Location, "remove", refusing)
+    with pytest.raises(DctchopError, match="was written, but the store it replaced could not be removed"):
+        store.compress(open_source(str(inputs / "field.npy")), out, overwrite=True)
+    assert read_store(out).shape == (16, 24, 24)
+
+
+def test_two_runs_putting_back_a_killed_overwrites_old_store(tmp_path, inputs, monkeypatch):
+    # both saw the old store left by an --overwrite killed between its renames; the one that lost the race to
+    # put it back failed with an internal error (FileNotFoundError)
+    from dctchop import store
+    from dctchop.location import Location
+
+    out = tmp_path / "out.zarr"
+    ok(run("compress", inputs / "images.npy", out, "--quiet"))
+    old = tmp_path / f".out.zarr.dctchop-old-{dead_pid()}"
+    out.rename(old)
+    rename = os.rename
+
+    def beaten(a, b):  # the other run puts it back first
+        rename(a, b)
+        rename(a, b)
+
+    monkeypatch.setattr(store.os, "rename", beaten)
+    store.remove_stale_temporaries(Location(out))
+    assert read_store(out).shape == (64, 16, 16)
+    assert siblings(out) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to bind-mount")
+def test_output_containing_the_input_through_a_bind_mount_is_refused(tmp_path, inputs):
+    # the input sat inside the output under another path: --overwrite deleted it with the old store
+    real, alias = tmp_path / "real", tmp_path / "alias"
+    real.mkdir()
+    alias.mkdir()
+    ok(run("compress", inputs / "images.npy", real / "o.zarr", "--quiet"))
+    shutil.copy(inputs / "images.npy", real / "o.zarr" / "in.npy")
+    if subprocess.run(["mount", "--bind", str(real), str(alias)], capture_output=True, check=False).returncode:
+        pytest.skip("bind mounts are not allowed here")
+    try:
+        user_error(run("compress", real / "o.zarr" / "in.npy", alias / "o.zarr", "--overwrite"), "must not be")
+        assert (real / "o.zarr" / "in.npy").exists()
+    finally:
+        subprocess.run(["umount", str(alias)], check=False)
+
+
 @pytest.mark.parametrize("kind", ["store directory", "file"])
 def test_existing_output_without_overwrite_is_untouched(tmp_path, inputs, kind):
     out = tmp_path / "out.zarr"
