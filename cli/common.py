@@ -21,7 +21,14 @@ def fmt_db(v: float | str) -> str:
 
 class Path(click.Path):
     """``click.Path`` that refuses an empty name: click passes ``""`` on, and it then reads as the current
-    directory (``dctchop compress x.npy ""`` said the output must not contain the input)."""
+    directory (``dctchop compress x.npy ""`` said the output must not contain the input).
+
+    It does not check that the path is readable (click's default): an unreadable input is a problem with the
+    input, which the library reports as one line and exit 1 ("permission denied"), not a usage error (exit 2)
+    with click's three lines."""
+
+    def __init__(self, *args, readable: bool = False, **kwargs):
+        super().__init__(*args, readable=readable, **kwargs)
 
     def convert(self, value, param, ctx):
         if value == "":

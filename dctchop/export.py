@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -94,11 +95,30 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     except BaseException as e:
         with contextlib.suppress(OSError):  # a read-only directory refuses even to unlink what is not there
             tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):  # a full disk, a read-only directory; h5py's messages run over lines
-            reason = os.strerror(e.errno) if e.errno else first_line(e)
+        reason = _write_failure(e)
+        if reason is not None:
             raise DctchopError(f"decompress failed: {reason}; {output} was not written") from None
         raise
     return names
+
+
+# HDF5's own report of a failed write(2), as h5py passes it on: "... (file write failed: time = ..., filename
+# = '...', file descriptor = 6, errno = 28, error message = 'No space left on device', ...)"
+_HDF5_WRITE_FAILED = re.compile(r"file write failed|unable to extend file", re.IGNORECASE)
+_HDF5_ERRNO = re.compile(r"errno = (\d+)")
+
+
+def _write_failure(e: BaseException) -> str | None:
+    """Why writing the output failed, for the user (a full disk, a read-only directory), or None when ``e``
+    is not a failed write. Besides OSError, h5py raises RuntimeError when HDF5 fails to write while it
+    flushes or closes a file (a disk that fills as the file is closed); only the messages of a failed write
+    count, not every RuntimeError."""
+    if isinstance(e, OSError):  # h5py's messages run over lines
+        return os.strerror(e.errno) if e.errno else first_line(e)
+    if isinstance(e, RuntimeError) and _HDF5_WRITE_FAILED.search(str(e)):
+        found = _HDF5_ERRNO.search(str(e))
+        return os.strerror(int(found[1])) if found and int(found[1]) else "file write failed"
+    return None
 
 
 def _check_space(output: Path, needed: int) -> None:

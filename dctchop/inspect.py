@@ -33,6 +33,8 @@ def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
         raise DctchopError(f"store {path} does not exist")
     try:
         group = location.open_group("r")
+    except PermissionError as e:  # a store that is there but cannot be read is a store all the same
+        raise DctchopError(f"store {path} cannot be read: permission denied ({e.filename or e})") from None
     except Exception as e:  # noqa: BLE001 - zarr raises several types for a non-store
         raise DctchopError(f"{path} is not a Zarr store ({type(e).__name__}: {e})") from None
     info = group.attrs.get("dctchop")
@@ -86,11 +88,17 @@ def chunk_table(group: zarr.Group, name: str) -> dict[str, np.ndarray]:
 
 
 def _chunk_table_unless_damaged(group: zarr.Group, name: str, problems: list[dict]) -> dict | None:
+    """The per-chunk table, or None when its files cannot be read; an unreadable element file (its
+    permissions) is damage, as an unreadable chunk file is, and goes into ``problems`` unless they list it."""
     try:
         return chunk_table(group, name)
     except ValueError:  # an element file of the wrong size, which ``problems`` lists
         if not problems:
             raise
+        return None
+    except OSError as e:
+        if not problems:
+            problems.append({"chunk": None, "problem": f"per-chunk metadata unreadable ({e.strerror or e})"})
         return None
 
 

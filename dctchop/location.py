@@ -9,6 +9,7 @@ variables such as ``FSSPEC_S3_ENDPOINT_URL``, ``~/.config/fsspec``, the cloud SD
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -174,11 +175,19 @@ class Location:
         return Path(self._key_path(key)).read_bytes()
 
     def size(self, key: str = "") -> int:
-        """Bytes of every file at or below ``key`` (0 when there is none)."""
+        """Bytes of every file at or below ``key`` (0 when there is none). Locally, a directory that cannot be
+        listed or a file that cannot be looked at (a damaged store's) counts nothing: reading them is where
+        the damage is reported."""
         if self.is_url:
             fs, path = self._fs[0], self._key_path(key)
             return sum(int(info["size"]) for info in fs.find(path, detail=True).values()) if fs.exists(path) else 0
-        return sum(f.stat().st_size for f in Path(self._key_path(key)).rglob("*") if f.is_file())
+        total = 0
+        for directory, _, files in os.walk(self._key_path(key)):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    st = os.stat(os.path.join(directory, name))
+                    total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+        return total
 
     def open_group(self, mode: str, **kwargs) -> zarr.Group:
         if self.is_url and self.storage_options:

@@ -78,8 +78,25 @@ def check_png_path(out: str | os.PathLike) -> Path:
     return out
 
 
+def drawable(text: str) -> str:
+    """``text`` as matplotlib can draw it. A file name that is not valid UTF-8 reaches Python with its
+    undecodable bytes as lone surrogates (PEP 383), which matplotlib's font code refuses (TypeError); they are
+    drawn as backslash escapes (``bad\\xffname.h5``), as Python prints such bytes."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def save_png(fig, canvas_class, out: Path) -> tuple[int, int]:
-    """Write ``fig`` as PNG (to a temporary sibling, then renamed); return its (width, height) in pixels."""
+    """Write ``fig`` as PNG (to a temporary sibling, then renamed); return its (width, height) in pixels.
+    Every text of the figure (titles, labels, legend) is made :func:`drawable` first."""
+    from matplotlib.text import Text
+
+    for artist in fig.findobj(Text):
+        text = artist.get_text()
+        if drawable(text) != text:
+            artist.set_text(drawable(text))
     canvas = canvas_class(fig)
     tmp = temporary_file(out)
     try:

@@ -1430,3 +1430,126 @@ def test_a_0d_npy_is_refused_without_a_hint_that_leads_nowhere(tmp_path):
     np.save(src, np.float32(3.5))
     user_error(run("compress", src, tmp_path / "z.zarr"), "0-d array", "no axis to transform")
     assert not (tmp_path / "z.zarr").exists()
+
+
+# --------------------------------------------------------------------------------------------------------
+# environment problems: a full disk, permissions, file names that are not UTF-8 (one line, exit 1)
+# --------------------------------------------------------------------------------------------------------
+
+
+def run_unprivileged(prefix: list[str], *args) -> subprocess.CompletedProcess:
+    """``dctchop ARGS`` bound by file permissions (``prefix``: the ``unprivileged`` fixture)."""
+    return subprocess.run([*prefix, str(DCTCHOP), *map(str, args)], check=False, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_decompress_h5_disk_full_as_the_file_closes_is_a_user_error(base, tmp_path, monkeypatch, capsys):
+    """HDF5 that meets a full disk while it flushes the file on close raises RuntimeError through h5py, not
+    OSError: it was an internal error (exit 3). Reproduced on a small tmpfs; here the close fails so."""
+    from dctchop import export
+    from dctchop.cli.main import main
+
+    message = ("Disable slist on flush dest failure failed (file write failed: time = Fri Nov 27 23:42:06 2026\n"
+               ", filename = 'small/.full.h5.dctchop-tmp-19328', file descriptor = 6, errno = 28, error message = "
+               "'No space left on device', buf = 0x55ad99482180, total write size = 52136, bytes this sub-write "
+               "= 52136, offset = 262144)")
+    failure = [RuntimeError(message)]
+
+    class FailingClose(h5py.File):
+        def close(self):
+            super().close()
+            raise failure[0]
+
+    monkeypatch.setattr(export.h5py, "File", FailingClose)
+    out = tmp_path / "full.h5"
+    with pytest.raises(SystemExit) as exited:
+        main(["decompress", str(base.store), str(out)])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"dctchop: error: decompress failed: No space left on device; {out} was not written", err
+    assert not out.exists() and leftovers(tmp_path, "full.h5") == []
+    # only the messages of a failed write are the output's problem; another RuntimeError stays an internal one
+    failure[0] = RuntimeError("something else went wrong")
+    with pytest.raises(RuntimeError, match="something else"):
+        export.decompress(base.store, out)
+    assert not out.exists() and leftovers(tmp_path, "full.h5") == []
+
+
+def test_unreadable_per_chunk_metadata_is_a_damaged_store(data, tmp_path, unprivileged):
+    """An unreadable metadata element file, or the whole metadata directory, was an internal error
+    (PermissionError, exit 3) in inspect; unreadable data chunks were already a damaged store (exit 1)."""
+    store = tmp_path / "u.zarr"
+    ok(run("compress", data.h5, store, "--chunk-samples", "16", "--quiet"))
+    element = store / "dctchop_meta" / "images" / "psnr" / "c.1.0.0.0"
+    assert element.is_file()
+    element.chmod(0)
+    try:
+        for extra in ([], ["--chunks"], ["--json"]):
+            user_error(run_unprivileged(unprivileged, "inspect", store, *extra), "damaged store", "array images, chunk 1")
+    finally:
+        element.chmod(0o644)
+    meta = store / "dctchop_meta"
+    meta.chmod(0)
+    try:
+        for extra in ([], ["--chunks"]):
+            user_error(run_unprivileged(unprivileged, "inspect", store, *extra), "damaged store", "metadata array psnr cannot be")
+    finally:
+        meta.chmod(0o755)
+    ok(run("inspect", store))
+
+
+def test_source_name_not_utf8_is_drawn_with_escapes(data, tmp_path):
+    """A source file name that is not valid UTF-8 reached matplotlib with a surrogate escape in preview's
+    and sweep's titles: TypeError, exit 3."""
+    name = os.fsdecode(b"bad\xffname.h5")
+    src = tmp_path / name
+    try:
+        shutil.copy(data.h5, src)
+    except (OSError, UnicodeError):
+        pytest.skip("this filesystem takes only UTF-8 names")
+    store = tmp_path / "s.zarr"
+
+    def run_any(*args) -> subprocess.CompletedProcess:  # what is printed may hold the raw byte
+        return subprocess.run([str(DCTCHOP), *map(str, args)], check=False, capture_output=True,
+                              encoding="utf-8", errors="backslashreplace", timeout=120)
+
+    ok(run_any("compress", src, store, "--chunk-samples", "16", "--quiet"))
+    drawn = [run_any("preview", store, "--out", tmp_path / "p.png", "--index", "0"),
+             run_any("sweep", src, "--sample", "8", "--plot", tmp_path / "rd.png")]
+    for p in drawn:
+        ok(p)
+    for png in ("p.png", "rd.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from dctchop.preview import drawable
+
+    assert drawable("bad\udcffname.h5") == "bad\\xffname.h5"
+    assert drawable("caf\u00e9 \ud800") == "caf\u00e9 \\ud800"  # a surrogate that stands for no byte
+
+
+def test_unreadable_input_is_a_one_line_user_error(data, base, tmp_path, unprivileged):
+    """click's Path checked that inputs are readable: an unreadable one was a usage error, three lines and
+    exit 2, where a problem with the input is one line and exit 1."""
+    h5, npy = tmp_path / "in.h5", tmp_path / "in.npy"
+    shutil.copy(data.h5, h5)
+    shutil.copy(data.npy, npy)
+    h5.chmod(0)
+    npy.chmod(0)
+    try:
+        for args in (["compress", h5, tmp_path / "a.zarr"], ["compress", npy, tmp_path / "b.zarr"],
+                     ["inspect", base.store, "--verify", h5], ["inspect", base.store, "--verify", npy],
+                     ["preview", base.store, "--out", tmp_path / "p.png", "--source", h5],
+                     ["sweep", h5], ["sweep", npy, "--plot", tmp_path / "rd.png"]):
+            user_error(run_unprivileged(unprivileged, *args), "permission denied")
+    finally:
+        h5.chmod(0o644)
+        npy.chmod(0o644)
+    assert not any(tmp_path.glob("*.zarr")) and not any(tmp_path.glob("*.png"))
+    store = tmp_path / "s.zarr"
+    shutil.copytree(base.store, store)
+    store.chmod(0)
+    try:
+        for args in (["inspect", store], ["decompress", store, tmp_path / "o.h5"],
+                     ["preview", store, "--out", tmp_path / "p.png"]):
+            user_error(run_unprivileged(unprivileged, *args), "permission denied")
+    finally:
+        store.chmod(0o755)

@@ -1,0 +1,30 @@
+"""Fixtures shared by several test files (they cannot import one another: --import-mode=importlib)."""
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def unprivileged() -> list[str]:
+    """The prefix that runs a command bound by file permissions: none for a user; for root, whom they do not
+    bind, ``setpriv`` without the capabilities that bypass them. Skips the test where neither works."""
+    if os.geteuid() != 0:
+        return []
+    caps = "-dac_override,-dac_read_search,-fowner"
+    prefix = [shutil.which("setpriv") or "setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+    with tempfile.TemporaryDirectory() as d:
+        probe = Path(d) / "probe"
+        probe.write_text("x")
+        probe.chmod(0)
+        try:
+            denied = subprocess.run([*prefix, "cat", str(probe)], check=False, capture_output=True).returncode != 0
+        except OSError:
+            denied = False
+    if not denied:
+        pytest.skip("root reads anything, and setpriv cannot drop the capabilities that let it")
+    return prefix
