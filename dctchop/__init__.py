@@ -1,25 +1,47 @@
 """dctchop: blockwise-DCT compression of tensors into Zarr stores."""
 
-from dctchop._version import __version__
+import importlib
+import importlib.util
+import os
 
-# `open` is left out of __all__ so that `from dctchop import *` never shadows the builtin open().
-__all__ = ["Loader", "TorchDataset", "__version__"]
+from dctchop._version import __version__
+from dctchop.errors import DctchopError
 
 # Imported on first use, so `import dctchop` stays cheap (no zarr, numba or torch until needed).
 _LAZY = {"open": "dctchop.dataset", "Loader": "dctchop.loader", "TorchDataset": "dctchop.torch_decode"}
 
 
+def _has_torch() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+# `open` is left out of __all__ so that `from dctchop import *` never shadows the builtin open(); TorchDataset
+# is left out without torch, so that `*`, dir(), help() and inspect.getmembers() work there.
+__all__ = ["Loader", "__version__"]
+if _has_torch():
+    __all__.append("TorchDataset")
+
+
+class TorchMissing(DctchopError, AttributeError):
+    """``dctchop.TorchDataset`` without torch: an AttributeError too, so ``hasattr`` says False."""
+
+
 def __getattr__(name: str):
+    if name == "TorchDataset" and not _has_torch():
+        raise TorchMissing("dctchop.TorchDataset needs torch: pip install 'dctchop[torch]'")
     if name in _LAZY:
-        import importlib
-
-        if name == "TorchDataset":
-            from dctchop.loader import require_torch
-
-            require_torch()
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dctchop' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted([*__all__, "open", "DctchopError"])
+
+
+# Run from a checkout whose package is installed, not linked (`pip install .`, then python in the checkout's
+# root), Python finds this folder before the installed package; cli/ and formats/, which the wheel installs
+# as dctchop.cli and dctchop.formats, lie beside it: let those names be found there.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not os.path.isdir(os.path.join(__path__[0], "cli")) and all(
+        os.path.isfile(os.path.join(_CHECKOUT, sub, "__init__.py")) for sub in ("cli", "formats")):
+    __path__.append(_CHECKOUT)

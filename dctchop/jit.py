@@ -1,4 +1,5 @@
-"""numba as dctchop's kernels are compiled: with 512-bit vectors where the processor has AVX-512.
+"""numba as dctchop's kernels are compiled: with 512-bit vectors where the processor has AVX-512, and cached
+where the cache can be written.
 
 LLVM's tuning for recent Intel server and client cores ("prefer-256-bit") vectorises loops with 256-bit
 registers even where AVX-512 is there, to spare older cores the clock drop of 512-bit code. On the machines
@@ -14,6 +15,10 @@ whole process: numba code of the caller compiled after dctchop is imported gets 
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
+
 import numba
 from numba.core import codegen, config
 
@@ -28,4 +33,38 @@ def _prefer_512_bit_vectors() -> None:
         config.CPU_FEATURES = features + ",-prefer-256-bit"
 
 
+def _nothing() -> None:  # pragma: no cover - never called: numba looks for its cache location on definition
+    pass
+
+
+def _cache_somewhere() -> None:
+    """numba caches a kernel beside its source file, else in the user's cache directory, and refuses to define
+    a cached kernel where it can write neither: a read-only install run by a user without a writable home (a
+    container's usual case) failed at import, ``dctchop --version`` included. Then the kernels go to a
+    directory of this user's own in the temporary directory (reused by later runs); a user's NUMBA_CACHE_DIR
+    is left as it is."""
+    if config.CACHE_DIR:
+        return
+    try:
+        numba.njit(cache=True)(_nothing)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        config.CACHE_DIR = _private_directory(os.path.join(tempfile.gettempdir(), f"dctchop-numba-{os.getuid()}"))
+
+
+def _private_directory(path: str) -> str:
+    """``path``, made if missing, when it is a directory only this user can write (cached kernels are code);
+    otherwise a fresh one of this process's own."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return tempfile.mkdtemp(prefix="dctchop-numba-")
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+        return path
+    return tempfile.mkdtemp(prefix="dctchop-numba-")
+
+
 _prefer_512_bit_vectors()
+_cache_somewhere()

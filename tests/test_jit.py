@@ -1,8 +1,10 @@
 """dctchop's kernels are compiled with 512-bit vectors where the processor has AVX-512 (dctchop.jit)."""
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from numba.core import codegen
@@ -48,3 +50,44 @@ def test_a_target_the_user_set_is_kept():
     host = codegen.get_host_cpu_features()
     features, _ = _probe(NUMBA_CPU_FEATURES=host)
     assert features == host
+
+
+def test_a_read_only_install_without_a_writable_home_caches_its_kernels_in_a_private_directory(tmp_path,
+                                                                                             unprivileged):
+    # numba found nowhere to cache (neither beside the sources nor in ~/.cache) and refused to define the
+    # cached kernels: every command failed at import, as a container's user without a home runs it
+    root = Path(__file__).resolve().parents[1]
+    site = tmp_path / "site"
+    shutil.copytree(root / "dctchop", site / "dctchop", ignore=shutil.ignore_patterns("__pycache__"))
+    for sub in ("cli", "formats"):  # where the wheel puts them
+        shutil.copytree(root / sub, site / "dctchop" / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    home, temp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    temp.mkdir()
+    for path in [home, *site.rglob("*"), site]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_CACHE_DIR", "XDG_"))}
+    env.update(PYTHONPATH=str(site), HOME=str(home), TMPDIR=str(temp))
+    code = "import dctchop.quantize, numba; print(dctchop.quantize.__file__, numba.config.CACHE_DIR)"
+    try:
+        run = subprocess.run([*unprivileged, sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                             cwd=tmp_path, check=False, timeout=300)
+    finally:
+        for path in [home, site, *site.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert run.returncode == 0, run.stderr
+    where, cache = run.stdout.split()
+    assert where.startswith(str(site)) and cache == str(temp / f"dctchop-numba-{os.getuid()}")
+    assert (temp / f"dctchop-numba-{os.getuid()}").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
+    from dctchop.jit import _private_directory
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could plant kernels (code) there
+    chosen = _private_directory(str(shared))
+    assert chosen != str(shared) and os.stat(chosen).st_mode & 0o777 == 0o700
+    mine = tmp_path / "mine"
+    assert _private_directory(str(mine)) == str(mine)

@@ -891,6 +891,23 @@ def test_torch_asked_for_but_not_installed(image_store, monkeypatch):
         dctchop.Loader(image_store, batch_size=4, device="cpu")
 
 
+def test_without_torch_the_package_namespace_still_works():
+    # __all__ and dir() named TorchDataset, and looking it up raised DctchopError: `from dctchop import *`,
+    # hasattr, help() and inspect.getmembers() all failed without torch
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import inspect, pydoc, dctchop\n"
+            "from dctchop import *\n"
+            "pydoc.render_doc(dctchop); inspect.getmembers(dctchop)\n"
+            "assert not hasattr(dctchop, 'TorchDataset') and 'TorchDataset' not in dir(dctchop)\n"
+            "try:\n"
+            "    dctchop.TorchDataset\n"
+            "except dctchop.DctchopError as e:\n"
+            "    print(e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "dctchop.TorchDataset needs torch: pip install 'dctchop[torch]'"
+
+
 # ---------------------------------------------------------------------------------------------- device decode
 
 

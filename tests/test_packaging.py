@@ -1,8 +1,10 @@
 """The installed wheel exposes dctchop.cli and dctchop.formats and no top-level `cli` or `formats` module."""
 
 import json
+import os
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -38,3 +40,14 @@ def test_wheel_layout_and_import(tmp_path):
     assert origins["cli"] is None and origins["formats"] is None
     for name in ("dctchop", "dctchop.cli", "dctchop.formats"):
         assert origins[name].startswith(str(target)), (name, origins[name])
+
+    # run in the checkout's root, Python finds its dctchop/ before the installed one, without cli/ and
+    # formats/ inside: `import dctchop.formats` failed there. -S, and the dependencies by PYTHONPATH: this
+    # environment's editable install of the checkout (a .pth file) would find them anyway
+    deps = sysconfig.get_paths()["purelib"]
+    out = subprocess.run([sys.executable, "-S", "-c", probe], cwd=REPO,
+                         env={"PYTHONPATH": os.pathsep.join([str(target), deps])},
+                         check=True, capture_output=True, text=True).stdout
+    origins = json.loads(out)
+    assert origins["dctchop.cli"] == str(REPO / "cli" / "__init__.py")
+    assert origins["dctchop.formats"] == str(REPO / "formats" / "__init__.py")
