@@ -46,6 +46,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
         raise DctchopError(f"output {output} must end in .npy or .h5")
     if suffix == ".npy" and len(names) != 1:
         raise DctchopError(f"store holds {len(names)} arrays ({', '.join(names)}); write .h5 to keep them all")
+    refuse_special_file(output, output)
     if not output.parent.resolve().is_dir():
         raise DctchopError(f"output directory {output.parent} does not exist")
     local = Location(store).local_path  # a file:// URL names the same files as its path
@@ -56,7 +57,6 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
         raise DctchopError(f"output {output} must not be inside the Zarr store {holder}")
     if output.is_dir():
         raise DctchopError(f"output {output} is a directory; name a .npy or .h5 file")
-    refuse_special_file(output, output)
     if os.path.lexists(output) and not overwrite:  # a link to nothing too
         raise output_exists(output)
     lossless = set(info.get("lossless", []))

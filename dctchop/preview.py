@@ -35,7 +35,7 @@ import numpy as np
 
 from dctchop import quantize as qz
 from dctchop.errors import DctchopError
-from dctchop.location import store_holding
+from dctchop.location import refuse_special_file, store_holding
 from dctchop.store import temporary_file
 
 DPI = 128
@@ -68,6 +68,7 @@ def check_png_path(out: str | os.PathLike) -> Path:
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise DctchopError(f"{out}: the picture is written as PNG; give a name ending in .png")
+    refuse_special_file(out, out)
     if out.is_dir():
         raise DctchopError(f"{out} is a directory")
     if not out.parent.resolve().is_dir():
