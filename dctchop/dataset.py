@@ -43,8 +43,9 @@ __all__ = ["ArrayView", "Dataset", "open"]
 
 CACHED_CHUNKS = 2  # Zarr chunks of a lossless copy kept
 # What an ArrayView keeps: chunks' checked bytes (so that a random read of one costs a small slab's decode), and
-# decoded samples (so that reads near one another decode once; more would cost page faults: fresh memory
-# costs a quarter of a decode the first time it is written), and arrays of a chunk's shape to decode into.
+# arrays of decoded samples, counted whole (so that reads near one another decode once; more would cost page
+# faults: fresh memory costs a quarter of a decode the first time it is written), and arrays of a chunk's shape
+# to decode into.
 CODED_CACHE_BYTES = 128 << 20
 DECODED_CACHE_BYTES = 16 << 20
 SPARE_ARRAYS = 2
@@ -265,8 +266,9 @@ class _CachedChunk:
 
     @property
     def nbytes(self) -> tuple[int, int]:
-        """(coded, decoded) bytes it holds."""
-        decoded = int(np.count_nonzero(self.done)) * self.sample_nbytes if self.samples is not None else 0
+        """(coded, decoded) bytes it holds: decoded, its samples array whole, however few samples are decoded
+        (counting only those let random reads keep hundreds of chunk-sized arrays: 0.5-1 GB for 16 MB)."""
+        decoded = self.samples.nbytes if self.samples is not None else 0
         return self.decoder.nbytes if self.decoder is not None else 0, decoded
 
 

@@ -502,6 +502,8 @@ def test_random_reads_are_right_within_the_memory_budget(image_store, decoded, m
             np.sum([e.nbytes for e in kept], axis=0))
         assert len(kept) == 1 or (view._bytes[0] <= dataset_module.CODED_CACHE_BYTES
                                   and view._bytes[1] <= dataset_module.DECODED_CACHE_BYTES)
+        held = [e.samples.nbytes for e in kept if e.samples is not None]  # counted by decoded rows, chunk-sized
+        assert len(held) <= 1 or sum(held) <= dataset_module.DECODED_CACHE_BYTES  # arrays piled up past it
         assert set(view._decoded) <= set(view._cache)
         assert len(view._spare) <= dataset_module.SPARE_ARRAYS
     np.testing.assert_array_equal(first, decoded[:CHUNK])
