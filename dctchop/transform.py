@@ -86,33 +86,34 @@ class AxisPlan:
 
 @lru_cache(maxsize=256)
 def axis_plan(length: int, block: int, keep: int) -> AxisPlan:
+    """The plan of an axis: its full blocks alike, then an edge block of the samples left (built with numpy
+    per kind of block, not per block: a (2M, 2) chunk's axis 0 took 7 s in a loop over its 250,000 blocks)."""
     full, rest = divmod(length, block)
-    widths = [block] * full + ([rest] if rest else [])
-    rows, starts, wid, bands, bkeep, block_rows = [], [], [], [], [], []
-    offset = 0
-    for w in widths:
+    kinds = [(block, full)] + ([(rest, 1)] if rest else [])  # (samples per block, blocks)
+    matrix, start, width, band, block_keep, block_rows = [], [], [], [], [], []
+    offset = row = 0
+    for w, n in kinds:
         k = min(w, keep if w == block else -(-w * keep // block))
-        d = dct_matrix(w)[:k]
-        block_rows.append((len(rows), k, offset, w))
-        for b in range(k):
-            row = np.zeros(block)
-            row[:w] = d[b]
-            rows.append(row)
-            starts.append(offset)
-            wid.append(w)
-            bands.append(b)
-            bkeep.append(k)
-        offset += w
-    as_int = lambda v: np.asarray(v, dtype=np.int64)
+        rows = np.zeros((k, block))
+        rows[:, :w] = dct_matrix(w)[:k]
+        first = offset + w * np.arange(n)  # each block's first sample
+        matrix.append(np.tile(rows, (n, 1)))
+        start.append(np.repeat(first, k))
+        width.append(np.full(n * k, w))
+        band.append(np.tile(np.arange(k), n))
+        block_keep.append(np.full(n * k, k))
+        block_rows.append(np.stack([row + k * np.arange(n), np.full(n, k), first, np.full(n, w)], axis=1))
+        offset, row = offset + n * w, row + n * k
+    as_int = lambda parts: np.concatenate(parts).astype(np.int64)
     return AxisPlan(
         length=length,
         block=block,
         keep=keep,
-        matrix=np.asarray(rows, dtype=np.float64).reshape(len(rows), block),
-        start=as_int(starts),
-        width=as_int(wid),
-        band=as_int(bands),
-        block_keep=as_int(bkeep),
+        matrix=np.concatenate(matrix).astype(np.float64),
+        start=as_int(start),
+        width=as_int(width),
+        band=as_int(band),
+        block_keep=as_int(block_keep),
         block_rows=as_int(block_rows).reshape(-1, 4),
     )
 
@@ -142,6 +143,8 @@ def _forward_3d(src, dst, mat, start, width):  # pragma: no cover - compiled
 # vectorised loop running across the tile, and scattered back: about 4x faster than scalar dot products.
 TILE = 64
 SHORT_INNER = 16
+TILED_LENGTH = 1 << 15  # longer axes go through the untiled kernels: a tile's buffers hold TILE values per
+# sample of the axis (a (2M, 2) chunk's axis 0 took 1 GB; scalar loops over 2 columns are slower, not bigger)
 
 
 @numba.njit(inline="always")
@@ -1114,7 +1117,7 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
             _run_split(_forward_rows8, cur.reshape(n_outer, length), out.reshape(n_outer, p.kept),
                        (mat, p.start, p.width), threads)
         else:
-            kernel = _forward_tiled if n_inner < SHORT_INNER else _forward_3d
+            kernel = _forward_tiled if n_inner < SHORT_INNER and length <= TILED_LENGTH else _forward_3d
             src, dst = cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner)
             _run_split(kernel, src, dst, (mat, p.start, p.width), threads)
         cur = out
@@ -1214,7 +1217,7 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
         elif _is_rows8(p, n_inner):
             kernel, src_view, dst_view = _inverse_rows8, (n_outer, kept), (n_outer, p.length)
         else:
-            kernel = _inverse_tiled if n_inner < SHORT_INNER else _inverse_3d
+            kernel = _inverse_tiled if n_inner < SHORT_INNER and p.length <= TILED_LENGTH else _inverse_3d
             src_view, dst_view = (n_outer, kept, n_inner), (n_outer, p.length, n_inner)
         out_shape = channels_first_shape(shape) if planar else tuple(shape)
         calls.append((kernel, src_view, out_shape, dst_view, np.dtype(out_dtype), args))

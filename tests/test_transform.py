@@ -242,6 +242,27 @@ def test_forward_matches_scipy_reference(case, mask, dtype):
     assert list(seg_bands) == [int(bands[s]) for s in expected_starts]
 
 
+def test_a_long_axis_with_a_short_inner_extent_skips_the_tile_buffers(monkeypatch):
+    # the tiled kernels gather TILE values per sample of the axis: a (2M, 2) chunk's axis 0 took 1 GB; such
+    # axes go through the untiled kernels, and their plans are built per kind of block (7 s in a loop)
+    shape, axes, block, keep = (transform.TILED_LENGTH + 13, 2), (0, 1), (8, 8), (4, 8)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal(shape).cumsum(axis=0)
+    tiled = []
+    for name in ("_forward_tiled", "_inverse_tiled"):
+        kernel = getattr(transform, name)
+        monkeypatch.setattr(transform, name, lambda src, dst, *args, k=kernel: (tiled.append(src.shape), k(src, dst, *args)))
+    plan = make_plan(shape, axes, block, keep, "square")
+    ref = reference_forward(x, axes, block, keep, "square")[0]
+    coef = forward(x, plan)
+    np.testing.assert_allclose(coef, ref, rtol=0, atol=1e-9 * np.abs(ref).max())
+    back = inverse(coef, plan, np.float64)
+    np.testing.assert_allclose(back, reference_inverse(ref, shape, axes, block, keep, "square"), rtol=0, atol=1e-9)
+    assert tiled and all(s[1] <= transform.TILED_LENGTH for s in tiled)  # only the short axis 1
+    (full, rest), b, k = divmod(shape[0], block[0]), block[0], keep[0]
+    assert transform.axis_plan(shape[0], b, k).block_rows[-1].tolist() == [full * k, -(-rest * k // b), full * b, rest]
+
+
 def test_band_zero_of_all_full_blocks_comes_first():
     x = np.arange(16 * 16, dtype=np.float64).reshape(16, 16)
     plan = make_plan(x.shape, (0, 1), 4, 2)
