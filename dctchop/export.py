@@ -34,7 +34,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     Written to a temporary sibling and renamed when complete, like :func:`dctchop.store.compress`.
     """
     group, info = open_store(store)
-    require_intact(store, info)
+    require_intact(store, info, group)
     if is_url(output):
         raise DctchopError(f"output {output} is a URL; decompress writes a local .npy or .h5 file")
     if os.fspath(output).endswith(("/", os.sep)):

@@ -119,7 +119,7 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
     location = Location(path)
     arrays = {}
     for name, a in info["arrays"].items():
-        problems = array_problems(location, name, a["shape"], a["chunks"])
+        problems = array_problems(location, name, a["shape"], a["chunks"], group)
         # with unreadable metadata arrays or elements the per-chunk table is unknown: fall back to the summary
         # written with the store
         table = None if any(p["chunk"] is None for p in problems) else _chunk_table_unless_damaged(group, name,
@@ -140,7 +140,7 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
         arrays[name] = entry
     lossless = {}
     for name in info.get("lossless", []):
-        problems = lossless_problems(location, info, name)
+        problems = lossless_problems(location, info, name, group)
         if any(p["chunk"] is None for p in problems):  # its metadata cannot be opened
             described = {"shape": None, "dtype": None, "original_bytes": 0}
         else:
@@ -170,17 +170,19 @@ def read_rows(array, start: int, stop: int, where: str) -> np.ndarray:
         raise type(exc)(f"{where}: {exc}") from None
 
 
-def require_intact(path: str | Path, info: dict) -> None:
-    """Raise naming the array and chunk when any chunk of the store is missing or damaged."""
+def require_intact(path: str | Path, info: dict, group: zarr.Group) -> None:
+    """Raise naming the array and chunk when any chunk of the store is missing or damaged. ``group``: the
+    store's root group, as :func:`open_store` returns it (see :func:`dctchop.store.array_problems`)."""
+    location = Location(path)
     for name, a in info["arrays"].items():
-        problems = array_problems(Location(path), name, a["shape"], a["chunks"])
+        problems = array_problems(location, name, a["shape"], a["chunks"], group)
         if problems:
             raise DctchopError(describe_damage(path, {name: problems}))
     for name in info.get("lossless", []):
-        problems = lossless_problems(Location(path), info, name)
+        problems = lossless_problems(location, info, name, group)
         if problems:
             raise DctchopError(describe_damage(path, {name: problems}))
-    groups = group_problems(Location(path), info)
+    groups = group_problems(location, info)
     if groups:
         raise DctchopError(describe_damage(path, {}, groups))
 
@@ -197,7 +199,7 @@ def verify_store(path: str | Path, source_path: str | Path) -> dict:
     """Decode every chunk, recompute PSNR and max error against ``source_path`` and compare with the stored
     metadata. Returns per array the number of chunks checked and the mismatches found."""
     group, info = open_store(path)
-    require_intact(path, info)
+    require_intact(path, info, group)
     return _verify(group, info, source_path)
 
 

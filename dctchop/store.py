@@ -521,16 +521,19 @@ def unframe(raw: bytes) -> bytes:
         raise CorruptChunkError(f"zstd cannot decode the chunk ({e})") from None
 
 
-def array_problems(root: Location, name: str, shape, chunks) -> list[dict]:
+def array_problems(root: Location, name: str, shape, chunks, group: zarr.Group) -> list[dict]:
     """Everything damaged about one stored array, found without decoding: its metadata cannot be opened
     (missing or broken zarr.json, a codec version this dctchop cannot read), a chunk file is missing, not a
     file, fails its crc32c or has an undecodable header, or a per-chunk metadata element is missing.
 
     Zarr would silently return the fill value for a missing chunk; a dctchop store always writes every
     chunk, so a missing one is damage. ``chunk`` is None for damage that is not one chunk's.
+
+    ``group``: the store's root group, opened once by callers that check every array. Opening it parses the
+    root zarr.json, which holds the store's record of every array: opened again for each array, checking a
+    store took time growing with the square of its number of arrays (2000 arrays: minutes).
     """
     problems = []
-    group = root.open_group("r")
     keys = {}  # array path -> data chunk index -> the file holding its data or metadata element
     sizes = {}  # metadata array path -> the size of an element's file (None: several elements, compressed)
     grid = [-(-s // c) for s, c in zip(shape, chunks)]  # the metadata arrays' shape
@@ -634,13 +637,13 @@ def _element_whole(root: Location, key: str, size: int | None) -> bool:
         return False
 
 
-def lossless_problems(root: Location, info: dict, name: str) -> list[dict]:
+def lossless_problems(root: Location, info: dict, name: str, group: zarr.Group) -> list[dict]:
     """Everything damaged about a lossless copy, as :func:`array_problems` finds it for a lossy array: its
     metadata cannot be opened, or a chunk file fails its crc32c or zstd. A missing chunk file is damage in
     stores that write every chunk (store format 3 on); before, Zarr left out chunks of fill values, which
-    look the same."""
+    look the same. ``group``: the store's root group, as for :func:`array_problems`."""
     try:
-        copy = LosslessCopy(root.open_group("r")[name], info, name)
+        copy = LosslessCopy(group[name], info, name)
     except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
         return [{"chunk": None, "problem": f"array metadata cannot be opened ({type(e).__name__}: {e})"}]
     problems = []

@@ -328,3 +328,28 @@ def test_the_array_error_does_not_depend_on_the_order_the_chunks_finish(monkeypa
         monkeypatch.setattr(store, "_encode_and_write", lambda *args, order=order: (results[i] for i in order))
         totals.add(store._write_lossy(None, plan, 2, None, lambda n: None)["sse"])
     assert len(totals) == 1
+
+
+def test_checking_a_store_opens_its_root_once_whatever_its_number_of_arrays(tmp_path, monkeypatch):
+    # inspect, decompress and verify opened the root group once or twice per array to check it for damage;
+    # each opening parses the root zarr.json, which records every array, so a store of 2000 groups took
+    # minutes (time growing with the square of its number of arrays). The openings must not grow with it.
+    from dctchop.export import decompress
+    from dctchop.inspect import inspect_store, verify_store
+
+    real_open_group, opened = zarr.open_group, {}
+    for n in (1, 4):
+        source, out = tmp_path / f"in{n}.h5", tmp_path / f"s{n}.zarr"
+        with h5py.File(source, "w") as f:
+            for i in range(n):
+                f[f"g{i}/img"] = smooth_images(n=4, h=16, w=16, c=1, seed=i)[..., 0]
+                f[f"g{i}/lab"] = np.arange(4) + i
+        compress(open_source(str(source)), out, CompressOptions(workers=1))
+        calls = []
+        monkeypatch.setattr(zarr, "open_group", lambda *a, calls=calls, **k: calls.append(a) or real_open_group(*a, **k))
+        report = inspect_store(out)
+        assert decompress(out, tmp_path / f"out{n}.h5") and verify_store(out, source)
+        monkeypatch.setattr(zarr, "open_group", real_open_group)
+        assert len(report["arrays"]) == len(report["lossless"]) == n
+        opened[n] = len(calls)
+    assert opened[4] == opened[1], opened
