@@ -2,11 +2,15 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,3 +55,26 @@ def test_wheel_layout_and_import(tmp_path):
     origins = json.loads(out)
     assert origins["dctchop.cli"] == str(REPO / "cli" / "__init__.py")
     assert origins["dctchop.formats"] == str(REPO / "formats" / "__init__.py")
+
+
+def test_the_sdist_carries_what_its_tests_read(tmp_path):
+    # it shipped tests/test_*.py without their fixtures, the sample data or conftest.py: its tests failed
+    if not (REPO / ".git").exists():
+        pytest.skip("builds the sdist from a git checkout's files")
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.splitlines()
+    source = tmp_path / "source"  # as a fresh clone has it: no egg-info left by earlier builds to list files
+    for f in files:
+        if (REPO / f).is_file():
+            (source / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, source / f)
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    name = subprocess.run([sys.executable, "-c", build, str(tmp_path)], cwd=source, check=True, capture_output=True,
+                          text=True).stdout.strip().splitlines()[-1]
+    with tarfile.open(tmp_path / name) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    needed = {"tests/conftest.py", "sample_data/images.h5", "sample_data/field.npy", "benchmarks/fuzz_decoder.py",
+              "examples/train_classifier.py"}
+    needed |= {str(p.relative_to(REPO)) for p in (REPO / "tests" / "fixtures").rglob("*") if p.is_file()
+               and "__pycache__" not in p.parts}
+    assert needed <= names, sorted(needed - names)
