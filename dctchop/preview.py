@@ -96,8 +96,8 @@ def save_png(fig, canvas_class, out: Path) -> tuple[int, int]:
 
     for artist in fig.findobj(Text):
         text = artist.get_text()
-        if drawable(text) != text:
-            artist.set_text(drawable(text))
+        if (drawn := drawable(text)) != text:
+            artist.set_text(drawn)
     canvas = canvas_class(fig)
     tmp = temporary_file(out)
     try:

@@ -357,7 +357,7 @@ def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...], axes: tuple[int, ...])
 
 
 NAME_MAX = 255  # bytes in one file name (Linux, macOS and Windows file systems)
-TEMPORARY_SUFFIX = re.compile(r"\.dctchop-(tmp|old)-(\w+)")  # what _temporary_sibling adds; its tag
+TEMPORARY_SUFFIX = re.compile(r"\.dctchop-(tmp|old)-(\d+)")  # what _temporary_sibling adds locally; its pid
 
 
 def _temporary_stem(name: str) -> str:
@@ -391,7 +391,7 @@ def remove_stale_temporaries(output: Location) -> None:
     stem = f".{_temporary_stem(path.name)}"
     for tmp in path.parent.glob(f"{glob.escape(stem)}.dctchop-*-*"):
         found = TEMPORARY_SUFFIX.fullmatch(tmp.name[len(stem):])
-        if found is None or not found[2].isdigit():
+        if found is None:
             continue
         pid = int(found[2])
         if pid == os.getpid() or _process_alive(pid):

@@ -147,6 +147,11 @@ TILED_LENGTH = 1 << 15  # longer axes go through the untiled kernels: a tile's b
 # sample of the axis (a (2M, 2) chunk's axis 0 took 1 GB; scalar loops over 2 columns are slower, not bigger)
 
 
+def _tiled(length: int, n_inner: int) -> bool:
+    """Whether a pass over an axis of ``length`` with ``n_inner`` values per sample takes the tiled kernels."""
+    return n_inner < SHORT_INNER and length <= TILED_LENGTH
+
+
 @numba.njit(inline="always")
 def _forward_tile(tin, tout, mat, start, width):  # pragma: no cover - compiled
     """tout[r] = sum_j mat[r, j] * tin[start[r] + j], vectorised across the tile's columns."""
@@ -1117,7 +1122,7 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
             _run_split(_forward_rows8, cur.reshape(n_outer, length), out.reshape(n_outer, p.kept),
                        (mat, p.start, p.width), threads)
         else:
-            kernel = _forward_tiled if n_inner < SHORT_INNER and length <= TILED_LENGTH else _forward_3d
+            kernel = _forward_tiled if _tiled(length, n_inner) else _forward_3d
             src, dst = cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner)
             _run_split(kernel, src, dst, (mat, p.start, p.width), threads)
         cur = out
@@ -1217,7 +1222,7 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
         elif _is_rows8(p, n_inner):
             kernel, src_view, dst_view = _inverse_rows8, (n_outer, kept), (n_outer, p.length)
         else:
-            kernel = _inverse_tiled if n_inner < SHORT_INNER and p.length <= TILED_LENGTH else _inverse_3d
+            kernel = _inverse_tiled if _tiled(p.length, n_inner) else _inverse_3d
             src_view, dst_view = (n_outer, kept, n_inner), (n_outer, p.length, n_inner)
         out_shape = channels_first_shape(shape) if planar else tuple(shape)
         calls.append((kernel, src_view, out_shape, dst_view, np.dtype(out_dtype), args))
