@@ -28,3 +28,11 @@ def unprivileged() -> list[str]:
     if not denied:
         pytest.skip("root reads anything, and setpriv cannot drop the capabilities that let it")
     return prefix
+
+
+@pytest.fixture
+def dead_pid() -> int:
+    """The id of a process that has ended (a killed run's temporaries carry such an id)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid

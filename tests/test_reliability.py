@@ -219,18 +219,11 @@ def test_overwrite_refuses_to_replace_something_that_is_not_a_store(tmp_path, in
     assert snapshot(out) == before
 
 
-def dead_pid() -> int:
-    """The id of a process that has ended (a killed run's temporaries carry such an id)."""
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
-
-
-def test_temporaries_are_matched_by_the_output_name_as_text(tmp_path, inputs):
+def test_temporaries_are_matched_by_the_output_name_as_text(tmp_path, inputs, dead_pid):
     # the clean-up of killed runs globbed ".NAME.dctchop-*-*" unescaped: for "a?.zarr" it put back
     # ab.zarr's old store (left by an --overwrite killed between its two renames) as a?.zarr's, and the run
     # failed; for "a[1].zarr" it never found its own killed run's temporary
-    pid = dead_pid()
+    pid = dead_pid
     ok(run("compress", inputs / "images.npy", tmp_path / "ab.zarr", "--quiet"))
     others = tmp_path / f".ab.zarr.dctchop-old-{pid}"
     (tmp_path / "ab.zarr").rename(others)
@@ -358,7 +351,7 @@ def test_an_old_store_that_cannot_be_removed_after_an_overwrite_is_reported(tmp_
     assert read_store(out).shape == (16, 24, 24)
 
 
-def test_two_runs_putting_back_a_killed_overwrites_old_store(tmp_path, inputs, monkeypatch):
+def test_two_runs_putting_back_a_killed_overwrites_old_store(tmp_path, inputs, monkeypatch, dead_pid):
     # both saw the old store left by an --overwrite killed between its renames; the one that lost the race to
     # put it back failed with an internal error (FileNotFoundError)
     from dctchop import store
@@ -366,7 +359,7 @@ def test_two_runs_putting_back_a_killed_overwrites_old_store(tmp_path, inputs, m
 
     out = tmp_path / "out.zarr"
     ok(run("compress", inputs / "images.npy", out, "--quiet"))
-    old = tmp_path / f".out.zarr.dctchop-old-{dead_pid()}"
+    old = tmp_path / f".out.zarr.dctchop-old-{dead_pid}"
     out.rename(old)
     rename = os.rename
 
