@@ -36,7 +36,17 @@ from dctchop.codec import ChunkDecoder, DctChopCodec, StoredChunk, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError, first_line
 from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
-from dctchop.store import LosslessCopy, chunk_file, chunk_metadata, every_chunk_written, unframe
+from dctchop.store import (
+    LosslessCopy,
+    chunk_file,
+    chunk_metadata,
+    every_chunk_written,
+    lossless_checks,
+    meta_fields,
+    not_as_recorded,
+    not_as_written,
+    unframe,
+)
 from dctchop.transform import channels_first_axes, resolve_threads
 
 __all__ = ["ArrayView", "Dataset", "open"]
@@ -57,7 +67,7 @@ SPARE_ARRAYS = 2
 class _LossyArray:
     """Chunk reader for one dctchop-coded array: chunk files -> checked bytes -> decoded samples."""
 
-    def __init__(self, root: Location, name: str, array: zarr.Array, sizes: np.ndarray | None) -> None:
+    def __init__(self, root: Location, name: str, array: zarr.Array, recorded: dict | None) -> None:
         self.name, self.array = name, array
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
         self.chunk_shape = tuple(array.chunks)
@@ -66,11 +76,11 @@ class _LossyArray:
         self.direct = (codecs == (DctChopCodec, ZstdCodec, Crc32cCodec) and self.chunk_shape[1:] == self.shape[1:]
                        and root.exists(name))
         self._root = root
-        self._sizes = sizes  # each chunk file's size as written (the store's stored_bytes), when readable
+        self._recorded = recorded  # each chunk file's size and checksum as written (:func:`_recorded_files`)
 
     def raw(self, index: int) -> bytes:
-        """The dctchop-coded bytes of chunk ``index`` (zstd undone, crc32c checked; a file of another size
-        than the one written is refused: another valid chunk copied over it would decode as wrong samples)."""
+        """The dctchop-coded bytes of chunk ``index`` (zstd undone, crc32c checked; a file other than the one
+        written is refused: another valid chunk copied over it would decode as wrong samples)."""
         key = chunk_file(self.name, self.array, 1, index)
         path = f"{self._root}/{key}"
         try:
@@ -79,9 +89,10 @@ class _LossyArray:
             raise _missing_chunk(self.name, index, path) from None
         except OSError as e:
             raise DctchopError(f"array {self.name}: chunk {index} ({path}) is unreadable ({e.strerror or e})") from None
-        if self._sizes is not None and self._sizes[index] and len(data) != self._sizes[index]:  # 0: not recorded
-            raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): its file holds {len(data)} bytes, "
-                                    f"the store recorded {self._sizes[index]}; the store is damaged")
+        recorded = self._recorded
+        if recorded is not None and recorded["stored_bytes"][index] and (  # 0: not recorded
+                problem := not_as_written(data, recorded, index)):
+            raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): {problem}; the store is damaged")
         try:
             return unframe(data)
         except CorruptChunkError as e:
@@ -127,9 +138,11 @@ class _LosslessArray:
     of 16384 images for each of their 12 data chunks was 1.8 ms of a 9 ms image chunk).
     """
 
-    def __init__(self, root: Location, name: str, array: LosslessCopy, chunk_len: int, complete: bool) -> None:
+    def __init__(self, root: Location, name: str, array: LosslessCopy, chunk_len: int, complete: bool,
+                 checksums: list[int] | None) -> None:
         self.name, self.array = name, array
         self._root, self._complete = root, complete  # complete: every chunk file written (store format 3 on)
+        self._checksums = checksums  # each chunk file's crc32c as written (store format 4 on)
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
         self.chunk_len = chunk_len
         self.direct = False
@@ -137,17 +150,24 @@ class _LosslessArray:
         self._zarr_chunk = lru_cache(maxsize=CACHED_CHUNKS)(self._read_zarr_chunk)
 
     def _read_zarr_chunk(self, k: int) -> np.ndarray:
-        """Zarr chunk ``k``: a missing file is damage (Zarr would return fill values), so is a bad crc32c."""
+        """Zarr chunk ``k``: a missing file is damage (Zarr would return fill values), so is a bad crc32c or
+        a file other than the one written there (read twice then: here, and by Zarr, which decodes it)."""
         key = self.array.chunk_file(k)
-        if self._complete and self.array.n_chunks and not self._root.exists(key):
-            raise _missing_chunk(self.name, k, f"{self._root}/{key}")
+        where = f"array {self.name}: chunk {k} ({self._root}/{key})"
         try:
+            if self._checksums is not None:
+                problem = not_as_written(self._root.read(key), {"checksum": self._checksums}, k)
+                if problem:
+                    raise CorruptChunkError(f"{where}: {problem}; the store is damaged")
+            elif self._complete and self.array.n_chunks and not self._root.exists(key):
+                raise FileNotFoundError(key)
             return np.asarray(self.array[k * self._zarr_len : (k + 1) * self._zarr_len])
+        except FileNotFoundError:
+            raise _missing_chunk(self.name, k, f"{self._root}/{key}") from None
         except ValueError as e:  # zarr's crc32c codec on a corrupted file
-            raise CorruptChunkError(f"array {self.name}: chunk {k} ({self._root}/{key}): {first_line(e)}") from None
+            raise CorruptChunkError(f"{where}: {first_line(e)}") from None
         except OSError as e:
-            raise DctchopError(f"array {self.name}: chunk {k} ({self._root}/{key}) is unreadable "
-                               f"({e.strerror or e})") from None
+            raise DctchopError(f"{where} is unreadable ({e.strerror or e})") from None
 
     def decode(self, index: int) -> np.ndarray:
         """Samples of data chunk ``index``: a new array (the kept Zarr chunks are never handed out)."""
@@ -158,11 +178,13 @@ class _LosslessArray:
         return np.concatenate(parts)
 
 
-def _recorded_sizes(group: zarr.Group, name: str) -> np.ndarray | None:
-    """Each chunk file's size as written (``stored_bytes``), in chunk order; None when that table is missing
-    or damaged (``dctchop inspect`` reports it; reading the samples does not need it)."""
+def _recorded_files(group: zarr.Group, info: dict, name: str) -> dict[str, np.ndarray] | None:
+    """Each chunk file's size (``stored_bytes``) and, from store format 4 on, crc32c (``checksum``) as
+    written, in chunk order; None when those tables are missing or damaged (``dctchop inspect`` reports it;
+    reading the samples does not need them)."""
     try:
-        return chunk_metadata(group, name, "stored_bytes")
+        return {key: chunk_metadata(group, name, key) for key in ("stored_bytes", "checksum")
+                if key in meta_fields(info)}
     except (KeyError, ValueError, OSError):
         return None
 
@@ -513,7 +535,7 @@ class Dataset:
             if list(array.shape) != list(info["arrays"][name]["shape"]):
                 raise DctchopError(f"{self.path}: array {name}'s metadata says shape {list(array.shape)}, the "
                                    f"store's record {info['arrays'][name]['shape']}; the store is damaged")
-            self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array, _recorded_sizes(group, name)),
+            self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array, _recorded_files(group, info, name)),
                                           info["arrays"][name], self._threads)
         main = main_array(info["arrays"]) if main is None else _array_name(main, self._links, self.lossy_names)
         if main not in self.lossy_names:
@@ -522,7 +544,11 @@ class Dataset:
         self.main = self._views[main]
         for name in self.lossless_names:
             copy = LosslessCopy(self._zarr_array(group, name), info, name)
-            reader = _LosslessArray(Location(self.path), name, copy, self.main.chunk_len, every_chunk_written(info))
+            checks = lossless_checks(info, name)
+            if mismatch := not_as_recorded(copy, checks):
+                raise DctchopError(f"{self.path}: array {name}: {mismatch}; the store is damaged")
+            reader = _LosslessArray(Location(self.path), name, copy, self.main.chunk_len, every_chunk_written(info),
+                                    None if checks is None else checks["checksums"])
             self._views[name] = ArrayView(reader, None, self._threads)
 
     def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:

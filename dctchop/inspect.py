@@ -12,7 +12,6 @@ from dctchop.errors import DctchopError
 from dctchop.formats import open_source
 from dctchop.location import Location
 from dctchop.store import (
-    META_FIELDS,
     ZSTD_LEVEL,
     LosslessCopy,
     _chunk_metrics,
@@ -22,6 +21,7 @@ from dctchop.store import (
     chunk_metadata,
     group_problems,
     lossless_problems,
+    meta_fields,
 )
 
 
@@ -79,19 +79,29 @@ def _damaged_record(info: dict) -> str | None:
         if (not shape or len(shape) != len(chunks) or not all(isinstance(n, int) and n >= 0 for n in shape)
                 or not all(isinstance(n, int) and n > 0 for n in chunks)):
             return f"shape or chunks of array {name}"
+    checks = info.get("lossless_checks", {})
+    if not isinstance(checks, dict):
+        return "lossless_checks"
+    for name, c in checks.items():
+        if not (isinstance(c, dict) and _int_list(c.get("shape")) and _int_list(c.get("checksums"))):
+            return f"lossless_checks of array {name}"
     return None
 
 
-def chunk_table(group: zarr.Group, name: str) -> dict[str, np.ndarray]:
-    """Per-chunk metadata of one array, flattened in chunk order."""
-    return {key: chunk_metadata(group, name, key) for key in META_FIELDS}
+def _int_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
 
 
-def _chunk_table_unless_damaged(group: zarr.Group, name: str, problems: list[dict]) -> dict | None:
+def chunk_table(group: zarr.Group, info: dict, name: str) -> dict[str, np.ndarray]:
+    """Per-chunk metadata of one array (``info``: the store's record), flattened in chunk order."""
+    return {key: chunk_metadata(group, name, key) for key in meta_fields(info)}
+
+
+def _chunk_table_unless_damaged(group: zarr.Group, info: dict, name: str, problems: list[dict]) -> dict | None:
     """The per-chunk table, or None when its files cannot be read; an unreadable element file (its
     permissions) is damage, as an unreadable chunk file is, and goes into ``problems`` unless they list it."""
     try:
-        return chunk_table(group, name)
+        return chunk_table(group, info, name)
     except ValueError:  # an element file of the wrong size, which ``problems`` lists
         if not problems:
             raise
@@ -119,10 +129,10 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
     location = Location(path)
     arrays = {}
     for name, a in info["arrays"].items():
-        problems = array_problems(location, name, a["shape"], a["chunks"], group)
+        problems = array_problems(location, name, info, group)
         # with unreadable metadata arrays or elements the per-chunk table is unknown: fall back to the summary
         # written with the store
-        table = None if any(p["chunk"] is None for p in problems) else _chunk_table_unless_damaged(group, name,
+        table = None if any(p["chunk"] is None for p in problems) else _chunk_table_unless_damaged(group, info, name,
                                                                                                    problems)
         stored = array_bytes(location, name)
         entry = {
@@ -174,8 +184,8 @@ def require_intact(path: str | Path, info: dict, group: zarr.Group) -> None:
     """Raise naming the array and chunk when any chunk of the store is missing or damaged. ``group``: the
     store's root group, as :func:`open_store` returns it (see :func:`dctchop.store.array_problems`)."""
     location = Location(path)
-    for name, a in info["arrays"].items():
-        problems = array_problems(location, name, a["shape"], a["chunks"], group)
+    for name in info["arrays"]:
+        problems = array_problems(location, name, info, group)
         if problems:
             raise DctchopError(describe_damage(path, {name: problems}))
     for name in info.get("lossless", []):
@@ -231,7 +241,7 @@ def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
         if why:
             raise DctchopError(f"{why}: cannot verify {name} against it")
         arr = group[name]
-        table = chunk_table(group, name)
+        table = chunk_table(group, info, name)
         mismatches = []
         for i, (s, e) in enumerate(_chunk_ranges(a["shape"][0], a["chunks"][0])):
             x = src.read(s, e)

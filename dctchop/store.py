@@ -6,7 +6,7 @@ Layout of a store made from ``images.h5`` (datasets ``/images`` and ``/labels``)
       images                         original shape and dtype; codecs dctchop -> zstd -> crc32c
       labels                         lossless: bytes -> zstd -> crc32c
       dctchop_meta/images/psnr       per-chunk metadata, shaped like the chunk grid of ``images``
-      dctchop_meta/images/...        max_abs_error, rmse, stored_bytes, step
+      dctchop_meta/images/...        max_abs_error, rmse, stored_bytes, step, checksum
 
 A ``.npy`` input becomes one array named ``data``. Arrays are chunked along axis 0 only (whole samples; slabs
 of whole blocks when axis 0 is transformed), so every chunk is written once, whole.
@@ -62,9 +62,11 @@ from dctchop.layout import colour_axis, infer_axes
 from dctchop.location import Location, absolute_path, exchange, refuse_special_file, store_holding
 from dctchop.transform import check_blocks, make_plan, per_axis, resolve_threads
 
+# 4: each chunk file's crc32c is recorded (the lossy arrays' checksum metadata, the record's checksums of the
+# lossless copies), so a chunk file replaced by another of the same size (a swapped chunk, a Zarr write) is damage;
 # 3: every chunk of the lossless copies is written, even one of fill values, so a missing one is damage;
 # 2: chunk files of the lossy and metadata arrays named c.I.0.0 ("." separator); 1: c/I/0/0
-STORE_FORMAT = 3
+STORE_FORMAT = 4
 CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
 META_GROUP = "dctchop_meta"
 ZSTD_LEVEL = 1  # on bit-plane payloads as small as level 3 (images: 3% smaller), 2-2.5x faster
@@ -80,7 +82,8 @@ RATIO_SAMPLE_BYTES = 64 << 20
 # spans more (its smallest step is 1.4e-45); float64 data at 1e-160 measured PSNR inf at 111 dB.
 SMALLEST_FLOAT_PEAK = 1e-130
 DASK_TASK_BYTES = 64 << 20
-META_FIELDS = {"psnr": "f8", "max_abs_error": "f8", "rmse": "f8", "stored_bytes": "i8", "step": "f8"}
+# checksum: the chunk file's crc32c trailer (the Crc32cCodec's, of its zstd frame), from store format 4 on
+META_FIELDS = {"psnr": "f8", "max_abs_error": "f8", "rmse": "f8", "stored_bytes": "i8", "step": "f8", "checksum": "u4"}
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -508,6 +511,20 @@ def _stored_bytes(data: bytes, zstd_level: int = ZSTD_LEVEL) -> bytes:
     return compressed + struct.pack("<I", google_crc32c.value(compressed))
 
 
+def file_checksum(raw: bytes) -> int:
+    """A chunk file's crc32c as the store records it (``checksum``): its trailer, which Zarr's crc32c codec
+    checks against the file's own bytes; the record ties the file to its place, which that check cannot."""
+    return int.from_bytes(raw[-4:], "little")
+
+
+def meta_fields(info: dict) -> dict[str, str]:
+    """The per-chunk metadata arrays of a store's lossy arrays (``info``: its record): ``checksum`` from store
+    format 4 on."""
+    if info.get("store_format", 1) >= 4:
+        return META_FIELDS
+    return {key: dtype for key, dtype in META_FIELDS.items() if key != "checksum"}
+
+
 def unframe(raw: bytes) -> bytes:
     """Inverse of :func:`_stored_bytes`: check the crc32c trailer, undo zstd; CorruptChunkError if damaged."""
     if len(raw) < 5:
@@ -521,10 +538,12 @@ def unframe(raw: bytes) -> bytes:
         raise CorruptChunkError(f"zstd cannot decode the chunk ({e})") from None
 
 
-def array_problems(root: Location, name: str, shape, chunks, group: zarr.Group) -> list[dict]:
-    """Everything damaged about one stored array, found without decoding: its metadata cannot be opened
-    (missing or broken zarr.json, a codec version this dctchop cannot read), a chunk file is missing, not a
-    file, fails its crc32c or has an undecodable header, or a per-chunk metadata element is missing.
+def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> list[dict]:
+    """Everything damaged about one stored array (``info``: the store's record), found without decoding: its
+    metadata cannot be opened (missing or broken zarr.json, a codec version this dctchop cannot read), a chunk
+    file is missing, not a file, fails its crc32c or has an undecodable header, is not the file written there
+    (its size or crc32c is not the one recorded: rewritten, or another chunk's), or a per-chunk metadata
+    element is missing.
 
     Zarr would silently return the fill value for a missing chunk; a dctchop store always writes every
     chunk, so a missing one is damage. ``chunk`` is None for damage that is not one chunk's.
@@ -533,11 +552,12 @@ def array_problems(root: Location, name: str, shape, chunks, group: zarr.Group) 
     root zarr.json, which holds the store's record of every array: opened again for each array, checking a
     store took time growing with the square of its number of arrays (2000 arrays: minutes).
     """
+    shape, chunks, fields = info["arrays"][name]["shape"], info["arrays"][name]["chunks"], meta_fields(info)
     problems = []
     keys = {}  # array path -> data chunk index -> the file holding its data or metadata element
     sizes = {}  # metadata array path -> the size of an element's file (None: several elements, compressed)
     grid = [-(-s // c) for s, c in zip(shape, chunks)]  # the metadata arrays' shape
-    for field_name, path in [(None, name), *((k, f"{META_GROUP}/{name}/{k}") for k in META_FIELDS)]:
+    for field_name, path in [(None, name), *((k, f"{META_GROUP}/{name}/{k}") for k in fields)]:
         keys[path] = functools.partial(_chunk_key, path, ndim=len(shape))
         try:
             array = group[path]
@@ -553,38 +573,54 @@ def array_problems(root: Location, name: str, shape, chunks, group: zarr.Group) 
         if field_name is None and (list(array.shape), list(array.chunks)) != (list(shape), list(chunks)):
             problems.append({"chunk": None, "problem": f"array metadata says shape {list(array.shape)} in chunks "
                              f"{list(array.chunks)}, the store's record {list(shape)} in {list(chunks)}"})
-        want = np.dtype(META_FIELDS[field_name]) if field_name is not None else None
+        want = np.dtype(fields[field_name]) if field_name is not None else None
         if want is not None and (list(array.shape), np.dtype(array.dtype)) != (grid, want):
             problems.append({"chunk": None, "problem": f"metadata array {field_name} is {np.dtype(array.dtype)}"
                              f"{list(array.shape)}, not {want}{grid}"})
     problems += [{"chunk": None, "problem": problem}
                  for path in (META_GROUP, f"{META_GROUP}/{name}") if (problem := node_kind(root, path)[1])]
     metadata_whole = not problems
-    on_disk = {}  # chunk -> size of its file, for the chunks that decode
+    on_disk = {}  # chunk -> (size, checksum) of its file, for the chunks that decode
     n_chunks = -(-shape[0] // chunks[0])
     for i in range(n_chunks):
         try:
             raw = root.read(keys[name](i))
             read_header(unframe(raw))
-            on_disk[i] = len(raw)
+            on_disk[i] = len(raw), file_checksum(raw)
         except FileNotFoundError:
             problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
         except OSError as e:
             problems.append({"chunk": i, "problem": f"unreadable ({e.strerror or e})"})
         except CorruptChunkError as e:
             problems.append({"chunk": i, "problem": str(e)})
-        missing = [k for k in META_FIELDS if not _element_whole(root, keys[f"{META_GROUP}/{name}/{k}"](i),
+        missing = [k for k in fields if not _element_whole(root, keys[f"{META_GROUP}/{name}/{k}"](i),
                                                                    sizes.get(f"{META_GROUP}/{name}/{k}"))]
         if missing:
             metadata_whole = False
             problems.append({"chunk": i, "problem": f"per-chunk metadata missing or damaged: {', '.join(missing)}"})
     if metadata_whole:
-        recorded = chunk_metadata(group, name, "stored_bytes")
-        problems += [{"chunk": i, "problem": f"its file holds {size} bytes, its metadata records {recorded[i]}: "
-                      "rewritten since (by a Zarr write?), so its recorded PSNR and error do not describe it"}
-                     for i, size in on_disk.items() if size != recorded[i]]
+        recorded = {k: chunk_metadata(group, name, k) for k in ("stored_bytes", "checksum") if k in fields}
+        problems += [{"chunk": i, "problem": problem} for i, file in on_disk.items()
+                     if (problem := file_not_as_written(*file, recorded, i))]
         problems.sort(key=lambda p: (p["chunk"] is not None, p["chunk"] or 0))
     return problems
+
+
+def not_as_written(raw: bytes, recorded: dict, index: int) -> str | None:
+    """What says that chunk file ``raw`` is not the one written as chunk ``index``, or None. ``recorded``: per
+    chunk, ``stored_bytes`` (lossy arrays) and ``checksum`` (from store format 4 on)."""
+    return file_not_as_written(len(raw), file_checksum(raw), recorded, index)
+
+
+def file_not_as_written(size: int, checksum: int, recorded: dict, index: int) -> str | None:
+    """:func:`not_as_written` from the file's size and checksum."""
+    if "stored_bytes" in recorded and size != recorded["stored_bytes"][index]:
+        return (f"its file holds {size} bytes, its metadata records {recorded['stored_bytes'][index]}: "
+                "rewritten since (by a Zarr write?), so its recorded PSNR and error do not describe it")
+    if "checksum" in recorded and checksum != recorded["checksum"][index]:
+        return (f"its file's crc32c is {checksum:08x}, the store recorded {int(recorded['checksum'][index]):08x}: "
+                "rewritten since (by a Zarr write?) or another chunk's file, so its samples are not the ones written")
+    return None
 
 
 def chunk_metadata(group: zarr.Group, name: str, key: str) -> np.ndarray:
@@ -639,19 +675,27 @@ def _element_whole(root: Location, key: str, size: int | None) -> bool:
 
 def lossless_problems(root: Location, info: dict, name: str, group: zarr.Group) -> list[dict]:
     """Everything damaged about a lossless copy, as :func:`array_problems` finds it for a lossy array: its
-    metadata cannot be opened, or a chunk file fails its crc32c or zstd. A missing chunk file is damage in
+    metadata cannot be opened or says another shape than the store's record, or a chunk file fails its
+    crc32c or zstd, or is not the file written there (store format 4 on). A missing chunk file is damage in
     stores that write every chunk (store format 3 on); before, Zarr left out chunks of fill values, which
     look the same. ``group``: the store's root group, as for :func:`array_problems`."""
     try:
         copy = LosslessCopy(group[name], info, name)
     except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
         return [{"chunk": None, "problem": f"array metadata cannot be opened ({type(e).__name__}: {e})"}]
+    checks = lossless_checks(info, name)
+    if mismatch := not_as_recorded(copy, checks):
+        return [{"chunk": None, "problem": mismatch}]
+    recorded = {} if checks is None else {"checksum": checks["checksums"]}
     problems = []
     size = math.prod(copy.array.chunks) * np.dtype(copy.array.dtype).itemsize  # Zarr writes edge chunks whole
     for i in range(copy.n_chunks):
         try:
-            if len(unframe(root.read(copy.chunk_file(i)))) != size:
+            raw = root.read(copy.chunk_file(i))
+            if len(unframe(raw)) != size:
                 problems.append({"chunk": i, "problem": f"decodes to the wrong size (not {size} bytes)"})
+            elif problem := not_as_written(raw, recorded, i):
+                problems.append({"chunk": i, "problem": problem})
         except FileNotFoundError:
             if every_chunk_written(info):
                 problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
@@ -660,6 +704,21 @@ def lossless_problems(root: Location, info: dict, name: str, group: zarr.Group) 
         except CorruptChunkError as e:
             problems.append({"chunk": i, "problem": str(e)})
     return problems
+
+
+def lossless_checks(info: dict, name: str) -> dict | None:
+    """What a store (its record ``info``) recorded of lossless copy ``name`` to check it against: its
+    ``shape`` and each chunk file's ``checksums`` (store format 4 on; None before)."""
+    return info.get("lossless_checks", {}).get(name)
+
+
+def not_as_recorded(copy: LosslessCopy, checks: dict | None) -> str | None:
+    """How a lossless copy's Zarr metadata differs from what the store recorded of it (``checks``, see
+    :func:`lossless_checks`): resized since, say; or None."""
+    if checks is None or (list(copy.shape), copy.n_chunks) == (checks["shape"], len(checks["checksums"])):
+        return None
+    return (f"array metadata says shape {list(copy.shape)} in {copy.n_chunks} chunk files, the store's record "
+            f"{checks['shape']} in {len(checks['checksums'])}")
 
 
 def every_chunk_written(info: dict) -> bool:
@@ -719,7 +778,7 @@ def _create_lossy_arrays(group: zarr.Group, plan: ArrayPlan, overwrite: bool = F
 
 def _read_and_encode(plan: ArrayPlan, i: int, start: int, stop: int) -> tuple[bytes, dict]:
     """Encode chunk ``i`` (samples ``[start, stop)``): the codec's bytes and the chunk's metadata but its
-    stored size. The metrics are measured on a decode of exactly these bytes."""
+    stored size and checksum. The metrics are measured on a decode of exactly these bytes."""
     x = plan.source.read(start, stop)
     chunk = _pad_to_chunk(x, plan.chunks, plan.axes)
     data, sse, max_err = encode_and_measure(chunk, plan.settings, valid_rows=stop - start)
@@ -740,9 +799,9 @@ def _read_and_encode(plan: ArrayPlan, i: int, start: int, stop: int) -> tuple[by
 
 def _write_encoded(root: Location, plan: ArrayPlan, data: bytes, result: dict) -> dict:
     """Write an encoded chunk (after zstd and crc32c) and its metadata elements, each file whole; return
-    the chunk's metadata with its stored size."""
+    the chunk's metadata with its stored size and checksum."""
     stored = _stored_bytes(data, plan.zstd_level)
-    result = {**result, "stored_bytes": len(stored)}
+    result = {**result, "stored_bytes": len(stored), "checksum": file_checksum(stored)}
     i, ndim = result["chunk"], len(plan.source.shape)
     files = {_chunk_key(plan.name, i, ndim): stored}
     for key, dtype in META_FIELDS.items():
@@ -829,10 +888,11 @@ def _encode_and_write(root: Location, plan: ArrayPlan, items: list[tuple[int, in
             raise
 
 
-def _write_lossless(group: zarr.Group, source: Source, array: SourceArray, zstd_level: int,
-                    progress: Callable[[int], None]) -> None:
+def _write_lossless(root: Location, group: zarr.Group, source: Source, array: SourceArray, zstd_level: int,
+                    progress: Callable[[int], None]) -> dict:
     """A bit-exact copy in chunks of about 4 MB along axis 0, every chunk written; records (structured and
-    opaque dtypes) as their bytes, see :class:`LosslessCopy`."""
+    opaque dtypes) as their bytes, see :class:`LosslessCopy`. Returns what the store records to check it
+    against (:func:`lossless_checks`)."""
     name = array_name(source, array)
     sample_bytes = max(math.prod(array.shape[1:]) * array.dtype.itemsize, 1)
     chunk0 = max(1, min(array.shape[0] if array.shape else 1, DEFAULT_CHUNK_BYTES // sample_bytes))
@@ -847,13 +907,17 @@ def _write_lossless(group: zarr.Group, source: Source, array: SourceArray, zstd_
     def as_stored(x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x).view(np.uint8).reshape(*x.shape, *tail) if as_bytes else x
 
-    if not array.shape:
+    if array.shape:
+        for s, e in _chunk_ranges(array.shape[0], chunk0):
+            x = array.read(s, e)
+            arr[s:e] = as_stored(x)
+            progress(x.nbytes)
+    else:
         arr[...] = as_stored(array.read(0, 1))
-        return
-    for s, e in _chunk_ranges(array.shape[0], chunk0):
-        x = array.read(s, e)
-        arr[s:e] = as_stored(x)
-        progress(x.nbytes)
+    copy = LosslessCopy(arr, {"stored_as_bytes": {name: np.lib.format.dtype_to_descr(array.dtype)}} if as_bytes
+                        else {}, name)
+    return {"shape": list(array.shape), "checksums": [file_checksum(root.read(copy.chunk_file(i)))
+                                                      for i in range(copy.n_chunks)]}
 
 
 def stored_as_bytes(dtype: np.dtype) -> bool:
@@ -998,10 +1062,10 @@ def _write_store(tmp: Location, source: Source, plans: list[ArrayPlan], options:
                                           "and the array written again")
                 arrays[plan.name] = _array_summary(plan, result, tmp)
             _check_ratio(plan, arrays[plan.name]["ratio"])
-        for array in source.lossless:
-            _write_lossless(group, source, array, options.zstd_level, progress)
+        checks = {array_name(source, array): _write_lossless(tmp, group, source, array, options.zstd_level, progress)
+                  for array in source.lossless}
         seconds = time.perf_counter() - started
-        summary = _store_summary(source, arrays, seconds)
+        summary = _store_summary(source, arrays, checks, seconds)
         group.attrs.update({**source.groups.get("/", {}), "dctchop": json_safe(summary)})
     return summary
 
@@ -1073,7 +1137,7 @@ def _jsonable(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
+def _store_summary(source: Source, arrays: dict, lossless_checks: dict, seconds: float) -> dict:
     lossy = sum(a["original_bytes"] for a in arrays.values())
     original = lossy + sum(math.prod(a.shape) * a.dtype.itemsize for a in source.lossless)  # as inspect counts
     records = {array_name(source, a): np.lib.format.dtype_to_descr(a.dtype) for a in source.lossless
@@ -1086,6 +1150,7 @@ def _store_summary(source: Source, arrays: dict, seconds: float) -> dict:
                    "follow_external": source.follow_external},
         "arrays": arrays,
         "lossless": [array_name(source, a) for a in source.lossless],
+        **({"lossless_checks": lossless_checks} if lossless_checks else {}),
         **({"stored_as_bytes": records} if records else {}),
         **({"attr_dtypes": source.attr_dtypes} if source.attr_dtypes else {}),
         **({"enums": {name.strip("/"): labels for name, labels in source.enums.items()}} if source.enums else {}),

@@ -57,7 +57,7 @@ def test_cluster_store_equals_local_store(tmp_path, source_h5, cluster, target):
     remote_summary = compress(open_source(str(source_h5)), remote,
                               CompressOptions(target=target, chunk_samples=8, scheduler=cluster.scheduler_address))
     assert chunk_files(local) == chunk_files(remote)
-    assert len(chunk_files(local)) == 7 * 6 + 2 * 6 + 1  # images, field: a data + 5 metadata files per chunk
+    assert len(chunk_files(local)) == 7 * 7 + 2 * 7 + 1  # images, field: a data + 6 metadata files per chunk
     for name in ("images", "field", "labels"):
         np.testing.assert_array_equal(zarr.open(str(local), mode="r")[name][:],
                                       zarr.open(str(remote), mode="r")[name][:])

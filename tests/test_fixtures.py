@@ -45,7 +45,7 @@ def test_committed_chunk_decodes_as_before(name):
                                    atol=1e-6 * float(np.abs(expected).max()))
 
 
-@pytest.mark.parametrize("name", ["store_v1", "store_v2", "store_v3"])
+@pytest.mark.parametrize("name", ["store_v1", "store_v2", "store_v3", "store_v4"])
 def test_committed_store_reads_as_before(name):
     import zarr
 

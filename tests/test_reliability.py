@@ -751,6 +751,10 @@ STORE_DAMAGE = {
     "metadata group zarr.json deleted": ("array data", "dctchop_meta/data/zarr.json is missing"),
     # rewritten with the codec of the array's zarr.json: it decodes, but the metadata describes the old chunk
     "chunk rewritten through zarr": ("array data, chunk 0", "metadata records"),
+    # another valid chunk of the size recorded (sizes coincide in chop mode, at fast zstd levels): read as
+    # chunk 3 until stores recorded each file's crc32c (store format 4)
+    "chunk file swapped for one of the recorded size": ("array data, chunk 3", "crc32c", "another chunk's file"),
+    "metadata element checksum deleted": ("chunk 3", "per-chunk metadata missing or damaged: checksum"),
 }
 
 
@@ -782,6 +786,12 @@ def test_damaged_store_structure(tmp_path, good_store, damage):
     elif damage == "chunk rewritten through zarr":
         array = zarr.open_group(str(store), mode="r+")["data"]
         array[0] = 255 - array[0]
+    elif damage == "chunk file swapped for one of the recorded size":
+        shutil.copy(chunk_path(store, 4), chunk_path(store, 3))
+        size = np.int64(chunk_path(store, 4).stat().st_size)
+        (store / "dctchop_meta" / "data" / "stored_bytes" / "c.3.0.0").write_bytes(size.tobytes())
+    elif damage == "metadata element checksum deleted":
+        (store / "dctchop_meta" / "data" / "checksum" / "c.3.0.0").unlink()
     else:
         record = json.loads((store / "zarr.json").read_text())
         del record["attributes"]["dctchop"]["arrays"]["data"]["peak"]
@@ -793,6 +803,35 @@ def test_damaged_store_structure(tmp_path, good_store, damage):
         out = tmp_path / "restored.npy"
         user_error(run("decompress", store, out), *words)
         assert_no_output(out)
+
+
+@pytest.mark.parametrize("damage", ["chunk file of another store", "resized through zarr"])
+def test_a_lossless_copy_unlike_the_one_written_is_damage(tmp_path, damage):
+    """The labels' chunk file of another store (valid, of the same size) was read as this store's labels, and a
+    copy shrunk through Zarr loaded without its labels, both silently, until the store recorded the copies'
+    shapes and each chunk file's crc32c (store format 4)."""
+    import dctchop
+    from dctchop.errors import DctchopError
+
+    for seed, name in enumerate("ab"):  # ids zstd cannot shrink: the two files are of one size
+        with h5py.File(tmp_path / f"{name}.h5", "w") as f:
+            f["images"] = smooth((16, 16, 16), "uint8")
+            f["labels"] = np.random.default_rng(seed).integers(0, 1 << 62, 16)
+        ok(run("compress", tmp_path / f"{name}.h5", tmp_path / f"{name}.zarr", "--quiet"))
+    store, labels_file = tmp_path / "a.zarr", Path("labels") / "c" / "0"
+    if damage == "chunk file of another store":
+        other = (tmp_path / "b.zarr" / labels_file).read_bytes()
+        assert len(other) == (store / labels_file).stat().st_size and other != (store / labels_file).read_bytes()
+        (store / labels_file).write_bytes(other)
+        words = ("array labels, chunk 0", "crc32c", "another chunk's file")
+    else:
+        zarr.open_group(str(store), mode="r+")["labels"].resize((10,))
+        words = ("array labels", "says shape [10] in 1 chunk files, the store's record [16] in 1")
+    user_error(run("inspect", store), *words)
+    user_error(run("decompress", store, tmp_path / "out.h5"), *words)
+    assert_no_output(tmp_path / "out.h5")
+    with pytest.raises(DctchopError, match=words[-1].replace("[", r"\[").replace("]", r"\]")):
+        dctchop.open(store)["labels"][:]
 
 
 @pytest.mark.parametrize("content", ["{}", "garbage"])
