@@ -340,7 +340,14 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
         if abs(r / ratio - 1) < 0.01:
             return math.exp(mid)
         lo, hi = (mid, hi) if r < ratio else (lo, mid)
-    return math.exp((lo + hi) / 2)
+    # the ratio jumps between two steps a hair apart (data of few distinct values): the nearer side, if near enough
+    (off, step), _ = sorted((abs(achieved(math.exp(s)) / ratio - 1), math.exp(s)) for s in (lo, hi))
+    if off > RATIO_TOLERANCE:  # refused before anything is written
+        low, high = sorted(achieved(math.exp(s)) for s in (lo, hi))
+        raise DctchopError(f"{plan.name}: no step gives ratio {ratio:g} within {RATIO_TOLERANCE:.0%}: between two steps "
+                           f"a hair apart it jumps from {low:.4g} to {high:.4g} (data of few distinct values "
+                           "compresses in jumps); ask for a ratio outside that gap")
+    return step
 
 
 def _pad_to_chunk(x: np.ndarray, chunks: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
