@@ -312,9 +312,10 @@ def _serialize(c: Coefficients, settings: ChunkSettings, steps: np.ndarray, stor
     """Header and payload of a chunk's stored values."""
     unit = settings.precision in ("float32", "bfloat16")
     largest = float(np.max(c.maxabs, initial=0.0))
-    if unit and 0 < largest < np.finfo(np.float32).tiny:  # bfloat16 has float32's exponent range
+    tiny = float(np.finfo(np.float32).tiny)  # a Python float: compared with a float32, 1e139 warned of overflow
+    if unit and 0 < largest < tiny:  # bfloat16 has float32's exponent range
         raise DctchopError(f"coefficients underflow {settings.precision}, which stores them unscaled: the largest "
-                           f"is {largest:.3g}, below its smallest normal number {np.finfo(np.float32).tiny:.3g}; "
+                           f"is {largest:.3g}, below its smallest normal number {tiny:.3g}; "
                            "scale the data up or use float16/int16 (scaled per band)")
     if settings.precision in qz.INT_PRECISIONS:
         payload, flags = to_planes(stored, c.plan.order[1]), FLAG_BITPLANES

@@ -788,7 +788,10 @@ def _read_and_encode(plan: ArrayPlan, i: int, start: int, stop: int) -> tuple[by
     stored size and checksum. The metrics are measured on a decode of exactly these bytes."""
     x = plan.source.read(start, stop)
     chunk = _pad_to_chunk(x, plan.chunks, plan.axes)
-    data, sse, max_err = encode_and_measure(chunk, plan.settings, valid_rows=stop - start)
+    try:
+        data, sse, max_err = encode_and_measure(chunk, plan.settings, valid_rows=stop - start)
+    except DctchopError as e:  # the codec knows the values, not whose they are
+        raise DctchopError(f"{plan.name}: chunk {i}: {e}") from None
     if not (math.isfinite(sse) and math.isfinite(max_err)):  # a chunk that would not decode: never written
         raise DctchopError(f"{plan.name}: chunk {i} does not survive the arithmetic of {plan.settings.precision} "
                            f"(its decoded error is {max_err}); try --precision float32 or scale the data")

@@ -724,6 +724,18 @@ def test_failed_compress_unreachable_ratio_leaves_nothing(data, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_coefficients_beyond_the_precision_are_one_line_naming_the_chunk(tmp_path, precision):
+    # float64 near 1e138 compared with float32's smallest normal number raised numpy's overflow warning,
+    # printed as a line of its own before the error, which named no array
+    src = tmp_path / "huge.npy"
+    np.save(src, np.random.default_rng(0).random((16, 16, 16)) * 1e138)
+    out = tmp_path / "fail.zarr"
+    user_error(run("compress", src, out, "--keep", "4", "--precision", precision),
+               f"data: chunk 0: coefficients overflow {precision}")
+    assert not out.exists() and not leftovers(tmp_path, out.name)
+
+
 def test_failed_compress_unsupported_dtype_leaves_nothing(tmp_path):
     src = tmp_path / "ints.npy"
     np.save(src, np.arange(8 * 16 * 16, dtype=np.int32).reshape(8, 16, 16))
