@@ -403,6 +403,15 @@ def _step_for_rounded_output(x: np.ndarray, c: Coefficients, weights, rows, thre
     return made[_search(measured, step, finest, coarsest, goal, SEARCH_SLACK, 1.25)]
 
 
+def _psnr_peak(x: np.ndarray, settings: ChunkSettings) -> float:
+    """The peak a chunk's ``target_psnr`` counts with: an integer dtype's range, else ``settings.peak`` (the
+    whole array's range, which ``dctchop compress`` passes), else the chunk's own range."""
+    peak = qz.dtype_peak(x.dtype) or settings.peak
+    if peak is None:
+        peak = qz.float_peak(float(x.min()), float(x.max())) if x.size else 1.0
+    return peak
+
+
 def _step_bounds(c: Coefficients, weights) -> tuple[float, float]:
     """(finest, coarsest) base step worth trying: below ``finest`` every band sits at its no-saturation limit
     maxabs / qmax; above ``coarsest`` every level is zero."""
@@ -421,9 +430,7 @@ def _step_for_psnr(c: Coefficients, settings: ChunkSettings, weights, rows):
     step the precision allows is returned and the chunk falls short; the store records the PSNR reached.
     """
     plan, values, maxabs, x = c.plan, c.values, c.maxabs, c.centred
-    peak = qz.dtype_peak(x.dtype) or settings.peak
-    if peak is None:
-        peak = qz.float_peak(float(x.min()), float(x.max())) if x.size else 1.0
+    peak = _psnr_peak(x, settings)
     n = int(np.count_nonzero(rows)) * (x.size // max(x.shape[0], 1))
     integer = x.dtype.kind in "iu"
     target_sse = n * peak * peak / 10 ** (settings.target_psnr / 10)
@@ -1035,7 +1042,16 @@ class DctChopCodec(ArrayBytesCodec):
                                f"zarr fills what a write leaves out of a chunk (and an edge chunk past the "
                                f"array's end) with the fill_value, here {fill}: create the array with a finite "
                                "fill_value")
-        return chunk_spec.prototype.buffer.from_bytes(encode_chunk(x, self.settings))
+        settings = self.settings
+        if settings.target_psnr is None:
+            return chunk_spec.prototype.buffer.from_bytes(encode_chunk(x, settings))
+        data, sse, _ = encode_and_measure(x, settings)  # a PSNR target measures the chunk anyway
+        reached = qz.psnr(sse / max(x.size, 1), _psnr_peak(x, settings))
+        if reached < settings.target_psnr:  # dctchop compress refuses it so; here it was stored silently
+            raise DctchopError(f"dctchop codec: the chunk reaches {reached:.2f} dB, below its target_psnr "
+                               f"{settings.target_psnr:g}, at the finest step {settings.precision} allows with the "
+                               f"{settings.mask} mask; ask for less")
+        return chunk_spec.prototype.buffer.from_bytes(data)
 
     def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         dtype = _native_dtype(chunk_spec.dtype)

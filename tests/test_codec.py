@@ -1101,6 +1101,25 @@ def test_nan_fill_value_is_named_when_zarr_pads_a_chunk_with_it(tmp_path):
         arr[16:] = x[16:]  # the edge chunk, padded past the array's end
 
 
+def test_a_zarr_write_below_its_target_psnr_is_refused():
+    """A target above what the mask allows was stored silently through plain Zarr (44 dB for 60), where
+    dctchop compress refuses it."""
+    x = smooth_uint8_stack(n=6, h=24, w=24)
+    triangle = DctChopCodec(axes=(1, 2), block=(8, 8), keep=(8, 8), mask="triangle", precision="int16",
+                            target_psnr=60.0)
+    arr = zarr.create_array(zarr.storage.MemoryStore(), shape=x.shape, chunks=(3, 24, 24), dtype="uint8",
+                            serializer=triangle, fill_value=0)
+    with pytest.raises(DctchopError, match=r"the chunk reaches \d+\.\d+ dB, below its target_psnr 60, at the "
+                                           r"finest step int16 allows with the triangle mask; ask for less"):
+        arr[:] = x
+    square = zarr.create_array(zarr.storage.MemoryStore(), shape=x.shape, chunks=(3, 24, 24), dtype="uint8",
+                               serializer=DctChopCodec(axes=(1, 2), block=(8, 8), keep=(8, 8), precision="int16",
+                                                       target_psnr=60.0), fill_value=0)
+    square[:] = x
+    mse = np.mean((square[:].astype(np.float64) - x) ** 2)
+    assert 10 * np.log10(255**2 / mse) >= 60
+
+
 def test_codec_scalar_block_raises_dctchop_error():
     with pytest.raises(DctchopError):
         DctChopCodec.from_dict(_config(block=8))
