@@ -131,6 +131,16 @@ class Location:
         return Path(root) if isinstance(fs, LocalFileSystem) else None
 
     @property
+    def in_process(self) -> bool:
+        """Whether the location lives in this process's memory (fsspec's ``memory://``), which other processes
+        (Dask's workers) do not see."""
+        if not self.is_url:
+            return False
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        return isinstance(self._fs[0], MemoryFileSystem)
+
+    @property
     def name(self) -> str:
         return self.target.rstrip("/").rsplit("/", 1)[-1]
 

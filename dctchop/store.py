@@ -976,6 +976,9 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     """
     output = Location(output)
     _check_output(source.path, output, overwrite)
+    if options.scheduler not in (None, "threads") and output.in_process:
+        raise DctchopError(f"{output} is in this process's memory, out of reach of --scheduler "
+                           f"{options.scheduler}'s workers; use --scheduler threads")
     for array in source.arrays:
         name = array_name(source, array)
         if name == META_GROUP or name.startswith(f"{META_GROUP}/"):

@@ -100,6 +100,12 @@ def test_memory_url_overwrite_and_refusals(tmp_path, source_h5, memory_root):
                  CompressOptions(target=Target("psnr", 200.0), precision="int8"))
     assert sorted(fs.ls(root, detail=False)) == [f"{root}/out.zarr", f"{root}/plain"]
 
+    # Dask's worker processes cannot see this process's memory: they failed with "... was removed while
+    # chunks were being written"
+    with pytest.raises(DctchopError, match="in this process's memory, out of reach of --scheduler processes"):
+        compress(open_source(str(source_h5)), f"memory://{root}/far.zarr", CompressOptions(scheduler="processes"))
+    assert sorted(fs.ls(root, detail=False)) == [f"{root}/out.zarr", f"{root}/plain"]
+
 
 def run(*args) -> subprocess.CompletedProcess:
     return subprocess.run([str(DCTCHOP), *map(str, args)], check=False, capture_output=True, text=True, timeout=120)
