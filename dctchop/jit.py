@@ -21,6 +21,7 @@ import tempfile
 
 import numba
 from numba.core import codegen, config
+from numba.core.compiler_lock import global_compiler_lock
 
 __all__ = ["numba"]
 
@@ -66,5 +67,15 @@ def _private_directory(path: str) -> str:
     return tempfile.mkdtemp(prefix="dctchop-numba-")
 
 
+def _fork_between_compilations() -> None:
+    """numba holds one lock while it compiles or loads a kernel from its cache. A fork at that moment (a
+    torch DataLoader starting its workers while another thread decodes a first chunk) gave the child the lock
+    held by a thread it does not have: its first kernel waited forever. A fork now waits for the lock, and
+    both sides let go of it after."""
+    os.register_at_fork(before=global_compiler_lock.acquire, after_in_parent=global_compiler_lock.release,
+                        after_in_child=global_compiler_lock.release)
+
+
 _prefer_512_bit_vectors()
 _cache_somewhere()
+_fork_between_compilations()

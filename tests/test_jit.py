@@ -91,3 +91,35 @@ def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
     assert chosen != str(shared) and os.stat(chosen).st_mode & 0o777 == 0o700
     mine = tmp_path / "mine"
     assert _private_directory(str(mine)) == str(mine)
+
+
+FORK_WHILE_COMPILING = """
+import os, sys, threading, time
+import dctchop.jit
+from numba.core.compiler_lock import global_compiler_lock
+
+holding = threading.Event()
+
+def compile_elsewhere():
+    with global_compiler_lock:  # as numba holds it while another thread compiles or loads a kernel
+        holding.set()
+        time.sleep(0.5)
+
+thread = threading.Thread(target=compile_elsewhere)
+thread.start()
+holding.wait()
+pid = os.fork()
+if pid == 0:  # the child's kernels need the lock: it must not be held by a thread the child does not have
+    os._exit(0 if global_compiler_lock._lock.acquire(timeout=5) else 1)
+thread.join()
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_fork_while_another_thread_compiles_leaves_the_child_numba_s_lock():
+    """A DataLoader forking its workers while another thread loaded a first kernel: the workers hung forever
+    in numba's compiler lock."""
+    run = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", FORK_WHILE_COMPILING],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
