@@ -3,12 +3,16 @@
 import importlib
 import importlib.util
 import os
+import threading
 
 from dctchop._version import __version__
 from dctchop.errors import DctchopError
 
-# Imported on first use, so `import dctchop` stays cheap (no zarr, numba or torch until needed).
+# Imported on first use, so `import dctchop` stays cheap (no zarr, numba or torch until needed). One thread at
+# a time: zarr's modules import one another in a cycle, and two threads importing two of them at once (a first
+# Loader in one, a first TorchDataset in the other) failed with Python's _DeadlockError.
 _LAZY = {"open": "dctchop.dataset", "Loader": "dctchop.loader", "TorchDataset": "dctchop.torch_decode"}
+_LAZY_IMPORT = threading.RLock()
 
 
 def _has_torch() -> bool:
@@ -30,7 +34,8 @@ def __getattr__(name: str):
     if name == "TorchDataset" and not _has_torch():
         raise TorchMissing("dctchop.TorchDataset needs torch: pip install 'dctchop[torch]'")
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        with _LAZY_IMPORT:
+            return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dctchop' has no attribute {name!r}")
 
 

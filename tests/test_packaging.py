@@ -78,3 +78,37 @@ def test_the_sdist_carries_what_its_tests_read(tmp_path):
     needed |= {str(p.relative_to(REPO)) for p in (REPO / "tests" / "fixtures").rglob("*") if p.is_file()
                and "__pycache__" not in p.parts}
     assert needed <= names, sorted(needed - names)
+
+
+FIRST_USE_IN_TWO_THREADS = """
+import importlib, threading, time
+import dctchop
+
+real, inside, overlaps = importlib.import_module, [], []
+
+def watched(name, *args):  # each of dctchop's first-use imports, slowed so that two would overlap
+    if not name.startswith("dctchop."):
+        return real(name, *args)
+    inside.append(name)
+    overlaps.extend([tuple(inside)] if len(inside) > 1 else [])
+    time.sleep(0.2)
+    try:
+        return real(name, *args)
+    finally:
+        inside.remove(name)
+
+importlib.import_module = watched
+thread = threading.Thread(target=lambda: dctchop.Loader)
+thread.start()
+dctchop.open
+thread.join()
+print(overlaps)
+"""
+
+
+def test_first_uses_in_two_threads_import_one_at_a_time():
+    """A first Loader in one thread and a first TorchDataset in another imported zarr's modules at once, and
+    zarr's circular imports failed one of them with Python's _DeadlockError (3 runs in 12)."""
+    run = subprocess.run([sys.executable, "-c", FIRST_USE_IN_TWO_THREADS], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert run.stdout.strip() == "[]"
