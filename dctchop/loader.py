@@ -521,14 +521,14 @@ class Loader:
     def _check_torch_dtypes(self) -> None:
         """Refuse arrays torch has no tensor dtype for (bytes, strings, objects, compound records, extended
         precision: float128, complex256) here, not with torch's TypeError in the middle of an epoch
-        (compressed arrays are always numbers)."""
-        for name in self.names:
-            stored = self.dataset.array(name).dtype
-            if stored.kind not in "biufc" or stored_as_bytes(stored):
-                others = [n for n in self.names if n != name]
-                hint = f"arrays={others!r} to leave it out" if others else "arrays= to yield others"
-                raise DctchopError(f"array {name} holds {stored} values, which torch tensors cannot hold; "
-                                   f"pass {hint}, or output='numpy'")
+        (compressed arrays are always numbers); the hint leaves out every such array at once."""
+        dtypes = {name: self.dataset.array(name).dtype for name in self.names}
+        refused = [name for name, d in dtypes.items() if d.kind not in "biufc" or stored_as_bytes(d)]
+        if refused:
+            others = [n for n in self.names if n not in refused]
+            hint = f"arrays={others!r} to leave them out" if others else "arrays= to yield others"
+            held = "; ".join(f"array {name} holds {dtypes[name]} values" for name in refused)
+            raise DctchopError(f"{held}, which torch tensors cannot hold; pass {hint}, or output='numpy'")
 
     # order ---------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -536,8 +536,9 @@ class Loader:
         self.epoch = epoch_number(epoch)
 
     def indices(self, epoch: int | None = None) -> np.ndarray:
-        """Sample indices this loader yields in ``epoch`` (default: the current one), in order (within a
-        batch the loader then groups them by chunk)."""
+        """Sample indices of this loader's share of ``epoch`` (default: the current one), in order (within a
+        batch the loader then groups them by chunk); with ``drop_last`` it yields all but the last
+        ``len(indices) % batch_size`` of them, a partial batch."""
         return epoch_order(len(self.dataset), self.dataset.chunk_len, shuffle=self.shuffle, seed=self.seed,
                            epoch=self.epoch if epoch is None else epoch_number(epoch), window=self.window,
                            rank=self.rank, world_size=self.world_size, drop_last=self.drop_last, worker=self.worker,

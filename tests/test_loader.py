@@ -875,13 +875,23 @@ def test_records_and_byte_strings_load_as_numpy(record_store):
 def test_torch_output_refuses_arrays_torch_cannot_hold(record_store, name, dtype):
     """Refused when the loader is made, naming the array and the ways out, not by torch mid-epoch."""
     message = (rf"array {name} holds {re.escape(dtype)} values, which torch tensors cannot hold; pass "
-               r"arrays=\['images'\] to leave it out, or output='numpy'")
+               r"arrays=\['images'\] to leave them out, or output='numpy'")
     with pytest.raises(DctchopError, match=message):
         dctchop.Loader(record_store, batch_size=8, arrays=["images", name], output="torch")
     with pytest.raises(DctchopError, match=f"array {name} holds"):
         dctchop.TorchDataset(record_store, batch_size=8, arrays=["images", name])
     x = next(iter(dctchop.Loader(record_store, batch_size=8, arrays=["images"], output="torch")))
     assert isinstance(x, torch.Tensor) and x.shape == (8, 16, 16)
+
+
+@pytest.mark.filterwarnings("ignore:The data type .* does not have a Zarr V3 specification")
+@needs_torch
+def test_torch_output_names_every_array_torch_cannot_hold_at_once(record_store):
+    # the hint named one array at a time: following it was refused again for the next one
+    message = (r"^array names holds \|S8 values; array records holds .* values, which torch tensors cannot hold; "
+               r"pass arrays=\['images'\] to leave them out")
+    with pytest.raises(DctchopError, match=message):
+        dctchop.Loader(record_store, batch_size=8, arrays=["images", "names", "records"], output="torch")
 
 
 def test_mean_and_std_are_refused_when_arrays_names_no_compressed_array(record_store):
