@@ -397,11 +397,14 @@ def dctchop_codec(ds: Dataset, settings_for: Callable[[np.ndarray], ChunkSetting
         s = settings_for(x)
         return [zstd.encode(encode_chunk(x[c], s, 1)) for c in dctchop_chunks(x, s.axes)]
 
-    def decompress(parts, like):
+    def decompress(parts, like):  # each chunk decoded where it belongs: no copy (JPEG's images alike)
         s = settings_for(like)
+        chunks = dctchop_chunks(like, s.axes)
+        if len(chunks) == 1:
+            return decode_chunk(zstd.decode(parts[0]), like.shape, like.dtype, 1)
         out = np.empty_like(like)
-        for part, c in zip(parts, dctchop_chunks(like, s.axes)):
-            out[c] = decode_chunk(zstd.decode(part), like[c].shape, like.dtype, 1)
+        for part, c in zip(parts, chunks):
+            decode_chunk(zstd.decode(part), like[c].shape, like.dtype, 1, out=out[c])
         return out
     return Codec(compress, decompress, extra_bytes_per_part=CRC_BYTES)
 
@@ -588,6 +591,9 @@ def jpeg_codec(ds: Dataset, quality: int, subsampling: str, abbreviated: bool) -
     space = "GRAY" if grey else "RGB"
     sub = "Gray" if grey else subsampling
     is_float = ds.dtype.kind == "f"
+    images = {id(x): ds.jpeg_images(x) for x in ds.items}
+    layouts = {key: (len(ims), ims[0].shape) for key, ims in images.items()}  # an item's images share a shape
+    assert all(im.shape == ims[0].shape for ims in images.values() for im in ims)
 
     def compress(x):
         if is_float:  # min-max scale to 8 bits; the two float32 bounds are stored (8 bytes)
@@ -604,11 +610,15 @@ def jpeg_codec(ds: Dataset, quality: int, subsampling: str, abbreviated: bool) -
         if is_float:
             lo, hi = np.frombuffer(parts[0], dtype=np.float32)
             parts = parts[1:]
-        images = [simplejpeg.decode_jpeg(p, colorspace=space, fastdct=False, fastupsample=False)
-                  for p in parts]
-        y = np.stack(images).reshape(like.shape)
-        if is_float:
-            return (lo + y.astype(np.float32) * np.float32((hi - lo) / 255.0)).astype(like.dtype)
+        n, shape = layouts[id(like)]
+        y = np.empty((n, *shape), np.uint8)
+        for p, image in zip(parts, y):  # into the output, as dctchop decodes its chunks
+            simplejpeg.decode_jpeg(p, colorspace=space, fastdct=False, fastupsample=False, buffer=image)
+        y = y.reshape(like.shape)
+        if is_float:  # lo + y * scale in float32, as one pass and one add
+            x = np.multiply(y, np.float32((hi - lo) / 255.0), dtype=np.float32)
+            x += lo
+            return x
         return y
     return Codec(compress, decompress, overhead=shared_header_overhead if abbreviated else (lambda p: 0))
 
