@@ -11,9 +11,9 @@ per-axis DCT rows of band ``u`` (the edge blocks' own shorter DCTs included); th
 fewer rows. The result is scattered into the chunk with one strided copy per group, then rounded and
 clipped for integer dtypes exactly like :func:`dctchop.transform.inverse` (floor(v + 0.5), clip to range).
 Steps below float32's normal range (float data of magnitude below about 1e-29) travel multiplied by a power of
-two that the output is divided by again (:func:`stage`): on a device that flushes subnormals to zero (CUDA code
-built with fast math does; so does the CPU after ``torch.set_flush_denormal(True)``) such data would otherwise
-decode to noise. A chunk's offset (:func:`dctchop.codec.chunk_offset`) is added last, as on the host.
+two that the output is divided by again (:func:`stage`), as far as the chunk's largest values leave room: on a
+device that flushes subnormals to zero (CUDA code built with fast math does; so does the CPU after
+``torch.set_flush_denormal(True)``) such data would otherwise decode to noise. A chunk's offset (:func:`dctchop.codec.chunk_offset`) is added last, as on the host.
 It equals the numba path up to float32 summation order (tests check this on CPU torch). Matmuls follow
 torch's float32 matmul precision: with TF32 enabled (``torch.set_float32_matmul_precision("high")``) decoded
 values carry TF32 rounding (about 1e-3 relative).
@@ -177,17 +177,26 @@ class StagedChunk:
 # float32 steps are kept at or above this: with basis entries down to about 2**-10 (8x8x8 blocks), every
 # product of the decode stays a normal float32
 SMALLEST_STEP = 2.0**-96
+# ... as far as the largest dequantized value, times 2**shift, stays below this: a sum of up to 2**18 such
+# values (64³ blocks) times basis entries of at most 1 stays below float32's largest number, 2**128
+LARGEST_SHIFTED = 2.0**100
+LARGEST_LEVEL = {"int8": 127.0, "int16": 32767.0, "float16": 65504.0}  # stored magnitudes; float32/bfloat16: 1 steps
 
 
-def step_shift(steps: np.ndarray, dtype: np.dtype) -> int:
+def step_shift(steps: np.ndarray, dtype: np.dtype, largest_level: float) -> int:
     """The power of two that brings the ``steps`` (float64) of float32 data to at least :data:`SMALLEST_STEP`,
-    0 where they are (all but data of magnitude below about 1e-29; other dtypes: float64 works in float64, and
-    float16 and integer data never get steps that small). Data that small is itself near the bottom of
-    float32's range, so the shift stays far below the 126 that would take 2**-shift out of it."""
+    0 where they are (all but bands of data below about 1e-29; other dtypes: float64 works in float64, and
+    float16 and integer data never get steps that small); at most what keeps the largest dequantized value
+    (its step times ``largest_level``, a bound on the stored magnitudes) below :data:`LARGEST_SHIFTED`. A
+    chunk with bands near float32's top and others near its bottom (blocks at 1e36 beside detail at 1e-30)
+    overflowed to inf when shifted by the bottom alone; its tiny bands now keep steps below SMALLEST_STEP,
+    which a device that flushes subnormals decodes as zeros, 1e-60 or less of the chunk's range."""
     positive = steps[steps > 0]
     if dtype != np.float32 or positive.size == 0 or positive.min() >= SMALLEST_STEP:
         return 0
-    return math.ceil(math.log2(SMALLEST_STEP / positive.min()))
+    wanted = math.ceil(math.log2(SMALLEST_STEP / positive.min()))
+    room = math.floor(math.log2(LARGEST_SHIFTED / (positive.max() * largest_level)))
+    return max(0, min(wanted, room))
 
 
 def _work_dtype(dtype) -> torch.dtype:
@@ -201,7 +210,7 @@ def stage(chunk: StoredChunk, device: torch.device) -> StagedChunk:
     stored = torch.empty(chunk.stored.size, dtype=_STORAGE_TORCH[chunk.precision], pin_memory=pin)
     host = stored.numpy()
     host[:] = chunk.stored.view(host.dtype)
-    shift = step_shift(chunk.steps, chunk.dtype)
+    shift = step_shift(chunk.steps, chunk.dtype, min(chunk.level_bound, LARGEST_LEVEL.get(chunk.precision, 1.0)))
     steps = torch.tensor(np.ldexp(chunk.steps, shift), dtype=_work_dtype(chunk.dtype))
     return StagedChunk(chunk.plan, chunk.dtype, chunk.precision, stored, steps.pin_memory() if pin else steps, shift,
                        chunk.offset, chunk.level_bound)

@@ -1182,6 +1182,25 @@ def test_device_decode_of_tiny_float32_data_survives_flushing_subnormals(scale, 
 
 
 @needs_torch
+@pytest.mark.parametrize("big, tiny, precision", [(1e36, 1e-30, "int16"), (1e20, 1e-44, "int16"),
+                                                  (1e30, 1e-40, "int8"), (1e36, 1e-30, "float16")])
+def test_device_decode_of_a_chunk_spanning_float32_s_range_stays_finite(big, tiny, precision):
+    """Blocks near float32's top beside a block of detail near its bottom: the steps were shifted up by the
+    smallest one alone (2**20 to 2**67), and the big blocks decoded to inf on the device (finite on the
+    host)."""
+    from dctchop.torch_decode import decode_on_device, stage
+
+    x = np.zeros((8, 16, 16), np.float32)
+    x[:, :8, :8] = big
+    x[:, 8:, :8] = tiny * np.random.default_rng(0).normal(size=(8, 8, 8))
+    data = encode_chunk(x, ChunkSettings((1, 2), (8, 8), (8, 8), precision=precision))
+    ref = decode_chunk(data, x.shape, x.dtype)
+    got = decode_on_device([stage(read_stored(data, x.shape, x.dtype), "cpu")], "cpu")[0].numpy()
+    assert np.isfinite(ref).all() and np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * big)
+
+
+@needs_torch
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_device_loader_equals_host_loader(image_store, field_store, device):
     for store, kw in ((image_store, {"mean": [120, 110, 100], "std": 50}), (field_store, {})):
