@@ -84,6 +84,9 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
                     ds.attrs.update({k: _h5_attr(v) for k, v in arr.attrs.items()})
                     _copy_rows(arr, ds.__setitem__, arr.chunks[0] if arr.shape else 1, f"{store}: array {name}")
                 for path, dtypes in info.get("attr_dtypes", {}).items():
+                    if path not in h5:  # a group deleted from a store that does not list its groups (before 4)
+                        raise DctchopError(f"damaged store: {store}: {path.strip('/')}, whose attributes it "
+                                           "records, is missing")
                     attrs = h5[path].attrs
                     for key, dtype in dtypes.items():
                         if key in attrs:

@@ -70,6 +70,9 @@ def _damaged_record(info: dict) -> str | None:
         return "arrays"
     if not isinstance(lossless, list) or not all(isinstance(n, str) for n in lossless):
         return "lossless"
+    groups = info.get("groups", [])
+    if not isinstance(groups, list) or not all(isinstance(n, str) for n in groups):
+        return "groups"
     for name, a in arrays.items():
         for key, kind in RECORD_FIELDS.items():
             value = a.get(key)

@@ -651,10 +651,13 @@ def node_kind(root: Location, path: str) -> tuple[str | None, str | None]:
 
 def group_problems(root: Location, info: dict) -> list[dict]:
     """The user groups whose metadata is missing or damaged (a directory below a group is a group or an
-    array, each with its zarr.json; the metadata group's are each array's, :func:`array_problems`), and the
-    arrays that the store's record (``info``) leaves out: a record edited by hand, which readers trust."""
+    array, each with its zarr.json; the metadata group's are each array's, :func:`array_problems`), the groups
+    the store's record (``info``) lists that are gone (store format 4 on: a deleted group went unnoticed, and
+    decompress failed on its attributes), and the arrays that the record leaves out: a record edited by hand,
+    which readers trust."""
     recorded = set(info["arrays"]) | set(info.get("lossless", []))
-    problems = []
+    problems = [{"group": path, "problem": problem} for path in info.get("groups", [])
+                if not root.exists(path) and (problem := node_kind(root, path)[1])]
     for key, directories, _ in root.walk():
         if key == META_GROUP:
             directories.clear()
@@ -1165,6 +1168,7 @@ def _store_summary(source: Source, arrays: dict, lossless_checks: dict, seconds:
         "lossless": [array_name(source, a) for a in source.lossless],
         **({"lossless_checks": lossless_checks} if lossless_checks else {}),
         **({"stored_as_bytes": records} if records else {}),
+        **({"groups": groups} if (groups := sorted(p.strip("/") for p in source.groups if p.strip("/"))) else {}),
         **({"attr_dtypes": source.attr_dtypes} if source.attr_dtypes else {}),
         **({"enums": {name.strip("/"): labels for name, labels in source.enums.items()}} if source.enums else {}),
         **({"links": [{"path": path, "target": target, "kind": kind} for path, target, kind in source.links]}

@@ -871,6 +871,30 @@ def test_damaged_group_metadata_is_found(tmp_path, damage):
     assert_no_output(out)
 
 
+@pytest.mark.parametrize("listed", [True, False])
+def test_a_deleted_group_directory_is_damage(tmp_path, listed):
+    """A group deleted whole (directory and all) went unnoticed by inspect, and decompress failed on its
+    float32 attribute as an internal error (KeyError); the store's record now lists its groups (format 4).
+    A store that does not (``listed`` False, as before) still gets one line from decompress."""
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"] = smooth((16, 16, 16), "uint8")
+        f.create_group("meta").attrs["scale"] = np.float32(0.5)
+    store = tmp_path / "s.zarr"
+    ok(run("compress", tmp_path / "in.h5", store, "--quiet"))
+    shutil.rmtree(store / "meta")
+    if not listed:
+        record = json.loads((store / "zarr.json").read_text())
+        del record["attributes"]["dctchop"]["groups"]
+        (store / "zarr.json").write_text(json.dumps(record))
+    out = tmp_path / "restored.h5"
+    if listed:
+        user_error(run("inspect", store), "damaged store", "meta/zarr.json is missing")
+        user_error(run("decompress", store, out), "meta/zarr.json is missing")
+    else:
+        user_error(run("decompress", store, out), "damaged store", "meta, whose attributes it records, is missing")
+    assert_no_output(out)
+
+
 @pytest.mark.parametrize("dropped", ["a_images", "labels"])
 def test_an_array_left_out_of_the_stores_record_is_damage(tmp_path, dropped):
     """The root record lists the arrays readers show; with one deleted from it by hand, inspect, --verify and
