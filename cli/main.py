@@ -137,7 +137,7 @@ cli.add_command(sweep)
                    "address such as tcp://host:8786 (needs the dask extra; input and output on a shared filesystem).")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists (only once the new store is done).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when a TTY).")
-@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors (and --json output).")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors and warnings (and --json output).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def compress(input_path, output, datasets, lossless, follow_external, axes, keep, ratio, psnr, block, mask,
              precision, chunk_samples, zstd_level, workers, scheduler, overwrite, progress, quiet, as_json):

@@ -44,6 +44,7 @@ HEADER_PX = 72
 ROW_PX = 256
 DEFAULT_SAMPLES = 4
 MAX_SAMPLES = 16
+MAX_ELONGATION = 8  # a picture longer than this many times its width is stretched to its panel (4x1280: lines)
 IMAGE_LAYOUTS = ("NHW", "NHWC", "NCHW", "HWC")
 CHANNEL_AXIS = {"NHWC": 3, "NCHW": 1, "HWC": 2, "NCZYX": 1, "NZYXC": 4}
 PLOT_EXTRA = "pip install 'dctchop[plot]'"
@@ -344,7 +345,8 @@ def draw(rows: list[Row], view: View, dtype: np.dtype, header: tuple[str, str], 
         if view.rgb_axis is not None:
             err = err.max(axis=-1)
         interp = "nearest" if max(row.original.shape[:2]) <= PANEL_H else "antialiased"
-        aspect = "auto" if row.original.shape[0] == 1 else "equal"
+        h, w = row.original.shape[:2]  # square pixels, unless the picture would thin to a line
+        aspect = "auto" if max(h, w) > MAX_ELONGATION * min(h, w) else "equal"
         label = f"sample {row.index}" if view.sample_axis == 0 else "whole array"
         titles = (f"{label}: original", f"decoded: PSNR {_fmt(row.psnr)} dB",
                   f"|error| (sample max {_num(row.max_abs_error)})")

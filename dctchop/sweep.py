@@ -12,13 +12,13 @@ Everything runs in-process on a sample of the array:
   ``40..80`` (floating-point data) x ``--precision int8|int16`` with block 8; and blocks 4 and 16 at the
   middle PSNR target with int16.
 * **Measurements**, per setting: the sample is cut into the chunks the store would use and each chunk is
-  encoded exactly as :func:`dctchop.store.compress` does (``encode_chunk`` -> zstd -> 4-byte
-  crc32c), so *ratio* = sample bytes / stored chunk bytes (the store adds a few hundred bytes of metadata
-  per array); *PSNR* = ``20 log10(peak) - 10 log10(MSE)`` over the decoded sample with peak = the dtype's
-  range for integer data and max - min **of the sample** for floating-point data (the store uses the whole
-  array's, which is at least as large, so the sweep is conservative); *decode MB/s* = sample bytes / the
-  single-thread time to check the crc32c, undo zstd and ``decode_chunk`` (what Zarr does per chunk; best
-  of up to three runs).
+  encoded exactly as :func:`dctchop.store.compress` does (``encode_chunk`` -> zstd -> 4-byte crc32c), so
+  *ratio* = sample bytes / stored chunk bytes (the store adds about 4 KB of metadata per array, which shows in
+  the ratio of arrays of a few MB or less); *PSNR* = ``20 log10(peak) - 10 log10(MSE)`` over the decoded
+  sample with peak = the dtype's range for integer data and max - min **of the sample** for floating-point
+  data (the store uses the whole array's, which is at least as large, so the sweep is conservative); *decode
+  MB/s* = sample bytes / the single-thread time to check the crc32c, undo zstd and ``decode_chunk`` (what Zarr
+  does per chunk; best of up to three runs).
 * **Pareto front**: the settings no other setting beats on both ratio and PSNR. A PSNR target the
   precision cannot reach on the sample (``dctchop compress`` would refuse it) is reported but never on the
   front nor recommended.
@@ -113,17 +113,13 @@ def settings_grid(dtype) -> list[Setting]:
 # ---------------------------------------------------------------------------------------------- sample
 
 
-def pick_array(source, dataset: str | None) -> SourceArray:
+def pick_array(source) -> SourceArray:
+    """The array to sweep: the one ``--dataset`` named (``open_source`` takes only it, through links as
+    compress does; comparing names here refused a link's), else the first the file compresses."""
     if not source.lossy:
         raise DctchopError(f"{source.path}: nothing to sweep (no numeric array with 2 or more dimensions); "
                            "name one with --dataset")
-    if dataset is None:
-        return source.lossy[0]
-    wanted = "/" + dataset.strip("/")
-    for a in source.lossy:
-        if a.name == wanted or a.name == dataset or source.kind == "npy":
-            return a
-    raise DctchopError(f"{source.path}: no array {dataset} to sweep")
+    return source.lossy[0]
 
 
 def read_sample(array: SourceArray, axes: tuple[int, ...], count: int | None) -> tuple[np.ndarray, dict]:
@@ -220,7 +216,7 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
     does not fit the array are listed under ``skipped``.
     """
     source = open_source(input_path, datasets=[dataset] if dataset else (), follow_external=follow_external)
-    array = pick_array(source, dataset)
+    array = pick_array(source)
     if array.dtype not in DTYPE_CODES:
         raise DctchopError(f"{array.name}: unsupported dtype {array.dtype}; supported: "
                            f"{', '.join(map(str, DTYPE_CODES))}")
@@ -307,7 +303,8 @@ def compress_command(input_path: str, options: list[str], output: str | None = N
     output = output or Path(input_path).stem + ".zarr"
     extra = ((["--dataset", dataset] if dataset else []) + (["--axes", axes_text] if axes_text else [])
              + (["--follow-external"] if follow_external else []))
-    return shlex.join(["dctchop", "compress", str(input_path), output, *extra, *options])
+    paths = [f"./{p}" if p.startswith("-") else p for p in (str(input_path), output)]  # not read as options
+    return shlex.join(["dctchop", "compress", *paths, *extra, *options])
 
 
 # ---------------------------------------------------------------------------------------------- plot

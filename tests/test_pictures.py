@@ -162,6 +162,18 @@ def test_preview_index_and_field(stores, tmp_path):
 
 
 @needs_mpl
+def test_preview_stretches_a_sample_that_would_thin_to_a_line(tmp_path):
+    # 8x1280 samples drawn with square pixels were lines 2 px high, their colour bars lost
+    from matplotlib.image import imread
+
+    np.save(tmp_path / "wide.npy", np.random.default_rng(0).integers(0, 255, (4, 8, 1280), dtype=np.uint8))
+    ok(run("compress", tmp_path / "wide.npy", tmp_path / "wide.zarr", "-q"))
+    ok(run("preview", tmp_path / "wide.zarr", "--out", tmp_path / "wide.png", "--index", "0"))
+    panel = imread(tmp_path / "wide.png")[HEADER_PX : HEADER_PX + ROW_PX, 150, :3]  # down the first panel
+    assert np.count_nonzero(panel.min(axis=1) < 0.9) > ROW_PX // 2
+
+
+@needs_mpl
 def test_preview_errors(stores, tmp_path, capsys):
     def cli(*args):
         return in_process(capsys, "preview", *args)
@@ -369,6 +381,8 @@ def test_pareto_and_recommend():
                       "skipped": skipped})
     assert none["command"] is None and none["reason"] == "no setting applies: values up to 1e+300 are too large"
     assert compress_command("x.npy", ["--keep", "4"], axes_text="1,2") == "dctchop compress x.npy x.zarr --axes 1,2 --keep 4"
+    # a stem starting with "-" made an OUTPUT that compress took for an option ("No such option '-g'")
+    assert compress_command("./-g.npy", ["--keep", "4"]) == "dctchop compress ./-g.npy ./-g.zarr --keep 4"
 
 
 def test_a_sweep_of_a_named_dataset_recommends_compressing_that_one(tmp_path):
@@ -384,6 +398,17 @@ def test_a_sweep_of_a_named_dataset_recommends_compressing_that_one(tmp_path):
     assert command[:5] == ["dctchop", "compress", str(src), "tables.zarr", "--dataset"] and command[5] == "features"
     summary = json.loads(ok(run("compress", src, tmp_path / "out.zarr", *command[4:], "--json")).stdout)
     assert list(summary["arrays"]) == ["features"] and summary["arrays"]["features"]["psnr"] >= 50
+
+
+@pytest.mark.parametrize("link", ["hard", "soft"])
+def test_a_sweep_takes_a_dataset_by_a_link_name_as_compress_does(tmp_path, link):
+    # compress --dataset alias read through the link; sweep compared names and said "no array alias to sweep"
+    src = tmp_path / "links.h5"
+    with h5py.File(src, "w") as f:
+        f["a/img"] = np.random.default_rng(5).integers(0, 256, (24, 16, 16), dtype=np.uint8)
+        f["alias"] = f["a/img"] if link == "hard" else h5py.SoftLink("/a/img")
+    rec = json.loads(ok(run("sweep", src, "--dataset", "alias", "--json")).stdout)
+    assert rec["recommendation"]["command"] is not None
 
 
 def test_a_sweep_follows_external_links_when_asked_and_so_does_its_command(tmp_path):
