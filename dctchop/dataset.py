@@ -208,7 +208,12 @@ def main_array(arrays: dict) -> str:
     return max(arrays, key=lambda name: (math.prod(arrays[name]["shape"][1:]), arrays[name]["shape"][0]))
 
 
-def _array_name(name: str, links: dict[str, str], names) -> str:
+def recorded_links(info: dict) -> dict[str, str]:
+    """The links of a store's source, alias -> target (absolute paths), from its record ``info``."""
+    return {link["path"]: link["target"] for link in info.get("links", [])}
+
+
+def stored_name(name: str, links: dict[str, str], names) -> str:
     """A store's name for an array: HDF5's absolute ``/train/images`` is ``train/images`` there (the
     compressor strips the slash), and a name through a link of the source file (``links``: alias -> target,
     absolute paths, as the store records them) that is none of the store's ``names`` is its target's name."""
@@ -526,7 +531,7 @@ class Dataset:
         self.info = info
         self.lossy_names = tuple(info["arrays"])
         self.lossless_names = tuple(n for n in info.get("lossless", []) if n not in info["arrays"])
-        self._links = {link["path"]: link["target"] for link in info.get("links", [])}
+        self._links = recorded_links(info)
         if not self.lossy_names:
             raise DctchopError(f"{self.path}: the store lists no compressed array")
         self._views: dict[str, ArrayView] = {}
@@ -537,7 +542,7 @@ class Dataset:
                                    f"store's record {info['arrays'][name]['shape']}; the store is damaged")
             self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array, _recorded_files(group, info, name)),
                                           info["arrays"][name], self._threads)
-        main = main_array(info["arrays"]) if main is None else _array_name(main, self._links, self.lossy_names)
+        main = main_array(info["arrays"]) if main is None else stored_name(main, self._links, self.lossy_names)
         if main not in self.lossy_names:
             raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "
                                f"{', '.join(self.lossy_names)}")
@@ -596,7 +601,7 @@ class Dataset:
     def array(self, name: str) -> ArrayView:
         """The array ``name`` (``/name`` too, as HDF5 writes it, or a name through a soft or hard link the
         source file had); a :class:`DctchopError` listing the store's arrays when there is none."""
-        key = _array_name(name, self._links, self._views)
+        key = stored_name(name, self._links, self._views)
         if key not in self._views:
             raise DctchopError(f"{self.path} has no array {name!r}; it has: {', '.join(self.arrays)}")
         return self._views[key]
@@ -607,7 +612,7 @@ class Dataset:
         return self.main[key]
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and _array_name(name, self._links, self._views) in self._views
+        return isinstance(name, str) and stored_name(name, self._links, self._views) in self._views
 
     def __array__(self, dtype=None, copy=None):
         return self.main.__array__(dtype)

@@ -174,6 +174,19 @@ def test_preview_stretches_a_sample_that_would_thin_to_a_line(tmp_path):
 
 
 @needs_mpl
+@pytest.mark.parametrize("link", ["hard", "soft"])
+def test_preview_takes_an_array_by_a_link_name_as_open_does(tmp_path, link):
+    # "--array alias" was refused ("has no compressed array 'alias'") where dctchop.open reads through it
+    src = tmp_path / "links.h5"
+    with h5py.File(src, "w") as f:
+        f["a/img"] = np.random.default_rng(6).integers(0, 256, (8, 16, 16), dtype=np.uint8)
+        f["alias"] = f["a/img"] if link == "hard" else h5py.SoftLink("/a/img")
+    ok(run("compress", src, tmp_path / "links.zarr", "-q"))
+    p = ok(run("preview", tmp_path / "links.zarr", "--out", tmp_path / "p.png", "--array", "alias", "--index", "0"))
+    assert list(printed_psnr(p.stdout)) == [0]
+
+
+@needs_mpl
 def test_preview_errors(stores, tmp_path, capsys):
     def cli(*args):
         return in_process(capsys, "preview", *args)
