@@ -107,6 +107,15 @@ def printed_psnr(stdout: str) -> dict[int, float]:
     return out
 
 
+def linked_images(d: Path, link: str) -> Path:
+    """An HDF5 file of 24 16x16 images at /a/img, also reached as /alias through a ``hard`` or ``soft`` link."""
+    src = d / "links.h5"
+    with h5py.File(src, "w") as f:
+        f["a/img"] = np.random.default_rng(5).integers(0, 256, (24, 16, 16), dtype=np.uint8)
+        f["alias"] = f["a/img"] if link == "hard" else h5py.SoftLink("/a/img")
+    return src
+
+
 # --------------------------------------------------------------------------------------------------------
 # stores shared by the tests (each CLI call costs a second or two of start-up)
 # --------------------------------------------------------------------------------------------------------
@@ -177,11 +186,7 @@ def test_preview_stretches_a_sample_that_would_thin_to_a_line(tmp_path):
 @pytest.mark.parametrize("link", ["hard", "soft"])
 def test_preview_takes_an_array_by_a_link_name_as_open_does(tmp_path, link):
     # "--array alias" was refused ("has no compressed array 'alias'") where dctchop.open reads through it
-    src = tmp_path / "links.h5"
-    with h5py.File(src, "w") as f:
-        f["a/img"] = np.random.default_rng(6).integers(0, 256, (8, 16, 16), dtype=np.uint8)
-        f["alias"] = f["a/img"] if link == "hard" else h5py.SoftLink("/a/img")
-    ok(run("compress", src, tmp_path / "links.zarr", "-q"))
+    ok(run("compress", linked_images(tmp_path, link), tmp_path / "links.zarr", "-q"))
     p = ok(run("preview", tmp_path / "links.zarr", "--out", tmp_path / "p.png", "--array", "alias", "--index", "0"))
     assert list(printed_psnr(p.stdout)) == [0]
 
@@ -416,11 +421,7 @@ def test_a_sweep_of_a_named_dataset_recommends_compressing_that_one(tmp_path):
 @pytest.mark.parametrize("link", ["hard", "soft"])
 def test_a_sweep_takes_a_dataset_by_a_link_name_as_compress_does(tmp_path, link):
     # compress --dataset alias read through the link; sweep compared names and said "no array alias to sweep"
-    src = tmp_path / "links.h5"
-    with h5py.File(src, "w") as f:
-        f["a/img"] = np.random.default_rng(5).integers(0, 256, (24, 16, 16), dtype=np.uint8)
-        f["alias"] = f["a/img"] if link == "hard" else h5py.SoftLink("/a/img")
-    rec = json.loads(ok(run("sweep", src, "--dataset", "alias", "--json")).stdout)
+    rec = json.loads(ok(run("sweep", linked_images(tmp_path, link), "--dataset", "alias", "--json")).stdout)
     assert rec["recommendation"]["command"] is not None
 
 
