@@ -161,13 +161,17 @@ class _LosslessArray:
                     raise CorruptChunkError(f"{where}: {problem}; the store is damaged")
             elif self._complete and self.array.n_chunks and not self._root.exists(key):
                 raise FileNotFoundError(key)
-            return np.asarray(self.array[k * self._zarr_len : (k + 1) * self._zarr_len])
+            return np.asarray(self.array[k * self._zarr_len : (k + 1) * self._zarr_len] if self.shape else self.array[...])
         except FileNotFoundError:
             raise _missing_chunk(self.name, k, f"{self._root}/{key}") from None
         except ValueError as e:  # zarr's crc32c codec on a corrupted file
             raise CorruptChunkError(f"{where}: {first_line(e)}") from None
         except OSError as e:
             raise DctchopError(f"{where} is unreadable ({e.strerror or e})") from None
+
+    def scalar(self) -> np.ndarray:
+        """A scalar copy's value, checked as any chunk is (a new array)."""
+        return np.array(self._zarr_chunk(0))
 
     def decode(self, index: int) -> np.ndarray:
         """Samples of data chunk ``index``: a new array (the kept Zarr chunks are never handed out)."""
@@ -452,8 +456,8 @@ class ArrayView:
     def __getitem__(self, key) -> np.ndarray:
         """numpy's indexing: the samples the key selects along axis 0 are decoded, then the whole key is
         applied to them with that part renumbered."""
-        if not self.shape:
-            return np.asarray(self._reader.array[...])[key]
+        if not self.shape:  # a lossless copy: compressed arrays have samples
+            return self._reader.scalar()[key]
         if isinstance(key, (int, np.integer)) and not isinstance(key, bool):  # ds[i], the usual read: no key parsing
             return self._samples(_sample_index(key, self.shape[0])[0])[0]
         if _is_field_name(key):

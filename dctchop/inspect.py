@@ -66,6 +66,8 @@ def _is_number(value) -> bool:
 def _damaged_record(info: dict) -> str | None:
     """The first field of a store's record that readers could not use (an edited zarr.json), or None."""
     arrays, lossless = info["arrays"], info.get("lossless", [])
+    if not _int_list([info.get("store_format", 1)]):  # which checks apply depends on it
+        return "store_format"
     if not isinstance(arrays, dict) or not all(isinstance(a, dict) for a in arrays.values()):
         return "arrays"
     if not isinstance(lossless, list) or not all(isinstance(n, str) for n in lossless):

@@ -871,6 +871,37 @@ def test_damaged_group_metadata_is_found(tmp_path, damage):
     assert_no_output(out)
 
 
+@pytest.mark.parametrize("damage", ["another copy's chunk file", "deleted"])
+def test_a_scalar_lossless_copy_is_read_with_its_checks(tmp_path, damage):
+    """dctchop.open read a scalar copy straight through Zarr: another scalar's chunk file in its place read as
+    its value, a deleted one as 0 (inspect reported both)."""
+    import dctchop
+    from dctchop.errors import DctchopError
+
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"] = smooth((16, 16, 16), "uint8")
+        f["epoch"], f["seed"] = np.int64(7), np.int64(12345)
+    store = tmp_path / "s.zarr"
+    ok(run("compress", tmp_path / "in.h5", store, "--quiet"))
+    assert dctchop.open(store)["epoch"][()] == 7
+    if damage == "deleted":
+        (store / "epoch" / "c").unlink()
+    else:
+        shutil.copy(store / "seed" / "c", store / "epoch" / "c")
+    with pytest.raises(DctchopError, match="array epoch: chunk 0 .*(crc32c|is missing)"):
+        dctchop.open(store)["epoch"][()]
+
+
+def test_a_store_format_of_the_wrong_type_is_a_damaged_record(tmp_path, good_store):
+    # "store_format": "4" made inspect and decompress an internal error (TypeError comparing it with 4)
+    store = copy_store(good_store, tmp_path)
+    record = json.loads((store / "zarr.json").read_text())
+    record["attributes"]["dctchop"]["store_format"] = "4"
+    (store / "zarr.json").write_text(json.dumps(record))
+    user_error(run("inspect", store), "its dctchop attributes have a bad store_format")
+    user_error(run("decompress", store, tmp_path / "out.npy"), "its dctchop attributes have a bad store_format")
+
+
 @pytest.mark.parametrize("listed", [True, False])
 def test_a_deleted_group_directory_is_damage(tmp_path, listed):
     """A group deleted whole (directory and all) went unnoticed by inspect, and decompress failed on its
