@@ -608,24 +608,24 @@ def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> 
     if metadata_whole:
         recorded = {k: chunk_metadata(group, name, k) for k in ("stored_bytes", "checksum") if k in fields}
         problems += [{"chunk": i, "problem": problem} for i, file in on_disk.items()
-                     if (problem := file_not_as_written(*file, recorded, i))]
+                     if (problem := file_not_as_written(*file, {k: v[i] for k, v in recorded.items()}))]
         problems.sort(key=lambda p: (p["chunk"] is not None, p["chunk"] or 0))
     return problems
 
 
-def not_as_written(raw: bytes, recorded: dict, index: int) -> str | None:
-    """What says that chunk file ``raw`` is not the one written as chunk ``index``, or None. ``recorded``: per
-    chunk, ``stored_bytes`` (lossy arrays) and ``checksum`` (from store format 4 on)."""
-    return file_not_as_written(len(raw), file_checksum(raw), recorded, index)
+def not_as_written(raw: bytes, recorded: dict) -> str | None:
+    """What says that chunk file ``raw`` is not the one written there, or None. ``recorded``: that chunk's
+    ``stored_bytes`` (lossy arrays) and ``checksum`` (from store format 4 on), where known."""
+    return file_not_as_written(len(raw), file_checksum(raw), recorded)
 
 
-def file_not_as_written(size: int, checksum: int, recorded: dict, index: int) -> str | None:
+def file_not_as_written(size: int, checksum: int, recorded: dict) -> str | None:
     """:func:`not_as_written` from the file's size and checksum."""
-    if "stored_bytes" in recorded and size != recorded["stored_bytes"][index]:
-        return (f"its file holds {size} bytes, its metadata records {recorded['stored_bytes'][index]}: "
+    if "stored_bytes" in recorded and size != recorded["stored_bytes"]:
+        return (f"its file holds {size} bytes, its metadata records {recorded['stored_bytes']}: "
                 "rewritten since (by a Zarr write?), so its recorded PSNR and error do not describe it")
-    if "checksum" in recorded and checksum != recorded["checksum"][index]:
-        return (f"its file's crc32c is {checksum:08x}, the store recorded {int(recorded['checksum'][index]):08x}: "
+    if "checksum" in recorded and checksum != recorded["checksum"]:
+        return (f"its file's crc32c is {checksum:08x}, the store recorded {int(recorded['checksum']):08x}: "
                 "rewritten since (by a Zarr write?) or another chunk's file, so its samples are not the ones written")
     return None
 
@@ -696,7 +696,6 @@ def lossless_problems(root: Location, info: dict, name: str, group: zarr.Group) 
     checks = lossless_checks(info, name)
     if mismatch := not_as_recorded(copy, checks):
         return [{"chunk": None, "problem": mismatch}]
-    recorded = {} if checks is None else {"checksum": checks["checksums"]}
     problems = []
     size = math.prod(copy.array.chunks) * np.dtype(copy.array.dtype).itemsize  # Zarr writes edge chunks whole
     for i in range(copy.n_chunks):
@@ -704,7 +703,7 @@ def lossless_problems(root: Location, info: dict, name: str, group: zarr.Group) 
             raw = root.read(copy.chunk_file(i))
             if len(unframe(raw)) != size:
                 problems.append({"chunk": i, "problem": f"decodes to the wrong size (not {size} bytes)"})
-            elif problem := not_as_written(raw, recorded, i):
+            elif checks is not None and (problem := not_as_written(raw, {"checksum": checks["checksums"][i]})):
                 problems.append({"chunk": i, "problem": problem})
         except FileNotFoundError:
             if every_chunk_written(info):
