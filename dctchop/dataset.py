@@ -38,11 +38,13 @@ from dctchop.errors import CorruptChunkError, DctchopError, first_line
 from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
 from dctchop.store import (
-    META_FIELDS,
+    FILE_FIELDS,
     META_GROUP,
     LosslessCopy,
     chunk_file,
     chunk_metadata,
+    element_dtype,
+    element_per_file,
     every_chunk_written,
     lossless_checks,
     meta_fields,
@@ -189,12 +191,12 @@ def _recorded_files(root: Location, group: zarr.Group, info: dict, name: str) ->
     reading the samples does not need). Each chunk's values are read from their own element files when it is
     read: reading whole tables at open cost 0.19 ms per chunk and table (0.75 s for 2000 chunks, paid again by
     every DataLoader worker). Stores of format 1, whose tables are chunked otherwise, are read whole."""
-    fields = [key for key in ("stored_bytes", "checksum") if key in meta_fields(info)]
+    fields = [key for key in FILE_FIELDS if key in meta_fields(info)]
     try:
         arrays = {key: group[f"{META_GROUP}/{name}/{key}"] for key in fields}
     except (KeyError, ValueError, OSError):
         return lambda index: {}
-    if not all(a.chunks[0] == 1 and not a.compressors for a in arrays.values()):
+    if not all(element_per_file(a) for a in arrays.values()):
         try:
             tables = {key: chunk_metadata(group, name, key) for key in fields}
         except (ValueError, OSError):
@@ -208,8 +210,8 @@ def _recorded_files(root: Location, group: zarr.Group, info: dict, name: str) ->
                 raw = root.read(chunk_file(f"{META_GROUP}/{name}/{key}", array, 1, index))
             except OSError:
                 continue
-            if len(raw) == np.dtype(META_FIELDS[key]).itemsize:
-                values[key] = int(np.frombuffer(raw, np.dtype(META_FIELDS[key]).newbyteorder("<"))[0])
+            if len(raw) == element_dtype(key).itemsize:
+                values[key] = int(np.frombuffer(raw, element_dtype(key))[0])
         return _known(values)
     return recorded
 

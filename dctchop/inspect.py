@@ -70,10 +70,9 @@ def _damaged_record(info: dict) -> str | None:
         return "store_format"
     if not isinstance(arrays, dict) or not all(isinstance(a, dict) for a in arrays.values()):
         return "arrays"
-    if not isinstance(lossless, list) or not all(isinstance(n, str) for n in lossless):
+    if not _str_list(lossless):
         return "lossless"
-    groups = info.get("groups", [])
-    if not isinstance(groups, list) or not all(isinstance(n, str) for n in groups):
+    if not _str_list(info.get("groups", [])):
         return "groups"
     for name, a in arrays.items():
         for key, kind in RECORD_FIELDS.items():
@@ -91,6 +90,10 @@ def _damaged_record(info: dict) -> str | None:
         if not (isinstance(c, dict) and _int_list(c.get("shape")) and _int_list(c.get("checksums"))):
             return f"lossless_checks of array {name}"
     return None
+
+
+def _str_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(n, str) for n in value)
 
 
 def _int_list(value) -> bool:

@@ -84,6 +84,7 @@ SMALLEST_FLOAT_PEAK = 1e-130
 DASK_TASK_BYTES = 64 << 20
 # checksum: the chunk file's crc32c trailer (the Crc32cCodec's, of its zstd frame), from store format 4 on
 META_FIELDS = {"psnr": "f8", "max_abs_error": "f8", "rmse": "f8", "stored_bytes": "i8", "step": "f8", "checksum": "u4"}
+FILE_FIELDS = ("stored_bytes", "checksum")  # what the per-chunk metadata says of the chunk file itself
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -571,8 +572,8 @@ def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> 
             # a metadata array's element i is data chunk i's; the data array's grid position i is chunk i
             per_file = 1 if field_name is None else array.chunks[0]
             keys[path] = functools.partial(chunk_file, path, array, per_file)
-            if field_name is not None and per_file == 1 and not array.compressors:  # as stores write them now
-                sizes[path] = np.dtype(META_FIELDS[field_name]).itemsize
+            if field_name is not None and element_per_file(array):
+                sizes[path] = element_dtype(field_name).itemsize
         except Exception as e:  # noqa: BLE001 - zarr raises many types for a damaged array; all are damage
             what = "array metadata" if field_name is None else f"metadata array {field_name}"
             problems.append({"chunk": None, "problem": f"{what} cannot be opened ({type(e).__name__}: {e})"})
@@ -606,7 +607,7 @@ def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> 
             metadata_whole = False
             problems.append({"chunk": i, "problem": f"per-chunk metadata missing or damaged: {', '.join(missing)}"})
     if metadata_whole:
-        recorded = {k: chunk_metadata(group, name, k) for k in ("stored_bytes", "checksum") if k in fields}
+        recorded = {k: chunk_metadata(group, name, k) for k in FILE_FIELDS if k in fields}
         problems += [{"chunk": i, "problem": problem} for i, file in on_disk.items()
                      if (problem := file_not_as_written(*file, {k: v[i] for k, v in recorded.items()}))]
         problems.sort(key=lambda p: (p["chunk"] is not None, p["chunk"] or 0))
@@ -628,6 +629,17 @@ def file_not_as_written(size: int, checksum: int, recorded: dict) -> str | None:
         return (f"its file's crc32c is {checksum:08x}, the store recorded {int(recorded['checksum']):08x}: "
                 "rewritten since (by a Zarr write?) or another chunk's file, so its samples are not the ones written")
     return None
+
+
+def element_per_file(array: zarr.Array) -> bool:
+    """Whether a per-chunk metadata array holds each element in a file of its own, as plain bytes
+    (:func:`element_dtype`), as stores write them now; stores of format 1 chunked and compressed them otherwise."""
+    return array.chunks[0] == 1 and not array.compressors
+
+
+def element_dtype(key: str) -> np.dtype:
+    """The dtype of a per-chunk metadata element ``key`` (one of META_FIELDS) in its file: little-endian."""
+    return np.dtype(META_FIELDS[key]).newbyteorder("<")
 
 
 def chunk_metadata(group: zarr.Group, name: str, key: str) -> np.ndarray:
@@ -816,8 +828,8 @@ def _write_encoded(root: Location, plan: ArrayPlan, data: bytes, result: dict) -
     result = {**result, "stored_bytes": len(stored), "checksum": file_checksum(stored)}
     i, ndim = result["chunk"], len(plan.source.shape)
     files = {_chunk_key(plan.name, i, ndim): stored}
-    for key, dtype in META_FIELDS.items():
-        element = np.asarray(result[key], dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+    for key in META_FIELDS:
+        element = np.asarray(result[key], dtype=element_dtype(key)).tobytes()
         files[_chunk_key(f"{META_GROUP}/{plan.name}/{key}", i, ndim)] = element
     root.write_files(files)
     return result

@@ -13,7 +13,8 @@ clipped for integer dtypes exactly like :func:`dctchop.transform.inverse` (floor
 Steps below float32's normal range (float data of magnitude below about 1e-29) travel multiplied by a power of
 two that the output is divided by again (:func:`stage`), as far as the chunk's largest values leave room: on a
 device that flushes subnormals to zero (CUDA code built with fast math does; so does the CPU after
-``torch.set_flush_denormal(True)``) such data would otherwise decode to noise. A chunk's offset (:func:`dctchop.codec.chunk_offset`) is added last, as on the host.
+``torch.set_flush_denormal(True)``) such data would otherwise decode to noise. A chunk's offset
+(:func:`dctchop.codec.chunk_offset`) is added last, as on the host.
 It equals the numba path up to float32 summation order (tests check this on CPU torch). Matmuls follow
 torch's float32 matmul precision: with TF32 enabled (``torch.set_float32_matmul_precision("high")``) decoded
 values carry TF32 rounding (about 1e-3 relative).
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from dctchop import quantize as qz
 from dctchop.codec import StoredChunk
 from dctchop.dataset import Dataset
 from dctchop.errors import DctchopError, first_line
@@ -180,7 +182,8 @@ SMALLEST_STEP = 2.0**-96
 # ... as far as the largest dequantized value, times 2**shift, stays below this: a sum of up to 2**18 such
 # values (64³ blocks) times basis entries of at most 1 stays below float32's largest number, 2**128
 LARGEST_SHIFTED = 2.0**100
-LARGEST_LEVEL = {"int8": 127.0, "int16": 32767.0, "float16": 65504.0}  # stored magnitudes; float32/bfloat16: 1 steps
+# bounds on the stored magnitudes (float32 and bfloat16 store with steps of 1: none needed)
+LARGEST_LEVEL = {**qz.QMAX, "float16": float(np.finfo(np.float16).max)}
 
 
 def step_shift(steps: np.ndarray, dtype: np.dtype, largest_level: float) -> int:
