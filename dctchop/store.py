@@ -920,7 +920,7 @@ def _write_lossless(root: Location, group: zarr.Group, source: Source, array: So
     name = array_name(source, array)
     sample_bytes = max(math.prod(array.shape[1:]) * array.dtype.itemsize, 1)
     chunk0 = max(1, min(array.shape[0] if array.shape else 1, DEFAULT_CHUNK_BYTES // sample_bytes))
-    chunks = (chunk0, *array.shape[1:]) if array.shape else ()
+    chunks = (chunk0, *(max(n, 1) for n in array.shape[1:])) if array.shape else ()  # zarr >= 3.2: no 0
     as_bytes = stored_as_bytes(array.dtype)
     tail = (array.dtype.itemsize,) if as_bytes else ()
     arr = group.create_array(name, shape=(*array.shape, *tail), chunks=(*chunks, *tail),

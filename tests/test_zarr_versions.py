@@ -107,3 +107,21 @@ def test_records_cross_versions(tmp_path, images, writer_is_other):
     for name, want in (("rec", rec), ("blob", blob)):
         got = np.load(f"{store}.{name}.npy")
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+
+
+READ_SHAPES = "import sys, json, dctchop; ds = dctchop.open(sys.argv[1]); " \
+              "print(json.dumps({n: [list(ds[n][:].shape), str(ds[n].dtype)] for n in ('wide', 'long')}))"
+
+
+@pytest.mark.parametrize("writer_is_other", [True, False], ids=["newer-writes", "this-writes"])
+def test_empty_copies_cross_versions(tmp_path, images, writer_is_other):
+    """Empty copies with a zero-length axis after the first: zarr >= 3.2 refuses chunks of length 0."""
+    import h5py
+
+    other = _other_python()
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"], f["wide"], f["long"] = images, np.zeros((5, 0), np.int32), np.zeros((0, 3), np.uint8)
+    store = str(tmp_path / "s.zarr")
+    writer, reader = (other, sys.executable) if writer_is_other else (sys.executable, other)
+    _run(writer, COMPRESS, str(tmp_path / "in.h5"), store)
+    assert json.loads(_run(reader, READ_SHAPES, store)) == {"wide": [[5, 0], "int32"], "long": [[0, 3], "uint8"]}
