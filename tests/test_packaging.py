@@ -25,6 +25,7 @@ def test_wheel_layout_and_import(tmp_path):
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == {"dctchop"}
     assert "dctchop/cli/__init__.py" in names and "dctchop/formats/__init__.py" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)  # the MIT text pyproject declares
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "dctchop = dctchop.cli.main:run" in entry_points
