@@ -294,11 +294,18 @@ def _quantize(c: Coefficients, steps: np.ndarray, precision: str) -> np.ndarray:
     return qz.quantize(c.values, steps, seg_starts, seg_bands, precision, offsets)
 
 
-def _native(x: np.ndarray) -> np.ndarray:
-    native = x.dtype.newbyteorder("=")
+def check_dtype(dtype, what: str, hint: str = "") -> np.dtype:
+    """``dtype`` in native byte order, when the codec takes it; else a DctchopError that starts with ``what``
+    and ends with ``hint``."""
+    native = np.dtype(dtype).newbyteorder("=")
     if native not in DTYPE_CODES:
-        raise DctchopError(f"unsupported dtype {x.dtype}; supported: {', '.join(map(str, DTYPE_CODES))}")
-    return np.ascontiguousarray(x, dtype=native)
+        raise DctchopError(f"{what}: unsupported dtype {dtype} for lossy compression; supported: "
+                           f"{', '.join(map(str, DTYPE_CODES))}{hint}")
+    return native
+
+
+def _native(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=check_dtype(x.dtype, "dctchop codec"))
 
 
 def _weights(settings: ChunkSettings, plan: TransformPlan) -> np.ndarray | None:
@@ -1028,9 +1035,7 @@ class DctChopCodec(ArrayBytesCodec):
         }
 
     def validate(self, *, shape, dtype, chunk_grid) -> None:
-        native = _native_dtype(dtype)
-        if native.newbyteorder("=") not in DTYPE_CODES:
-            raise DctchopError(f"dctchop codec does not support dtype {native}")
+        check_dtype(_native_dtype(dtype), "dctchop codec")
         chunk_shape = getattr(chunk_grid, "chunk_shape", shape)
         _weights(self.settings, make_plan(chunk_shape, self.axes, self.block, self.keep, self.mask))
 

@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 
 from dctchop.errors import DctchopError, first_line, output_exists
+from dctchop.formats import HDF5_SUFFIXES, NPY_SUFFIXES
 from dctchop.inspect import open_store, read_rows, require_intact
 from dctchop.location import Location, is_url, refuse_special_file, store_holding
 from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges, temporary_file
@@ -42,8 +43,8 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     output = Path(output)
     names = list(info["arrays"]) + list(info.get("lossless", []))
     suffix = output.suffix.lower()
-    if suffix not in (".npy", ".h5", ".hdf5"):
-        raise DctchopError(f"output {output} must end in .npy or .h5")
+    if suffix not in NPY_SUFFIXES + HDF5_SUFFIXES:
+        raise DctchopError(f"output {output} must end in {', '.join(NPY_SUFFIXES + HDF5_SUFFIXES)}")
     if suffix == ".npy" and len(names) != 1:
         raise DctchopError(f"store holds {len(names)} arrays ({', '.join(names)}); write .h5 to keep them all")
     refuse_special_file(output, output)

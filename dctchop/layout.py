@@ -25,6 +25,8 @@ images at 35-40 dB it stores 13-20% fewer bytes. ``--axes`` opts out.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from dctchop.errors import DctchopError
@@ -75,12 +77,22 @@ def parse_axes(text: str, ndim: int) -> tuple[int, ...]:
         given = [int(a) for a in text.split(",") if a.strip()]
     except ValueError:
         raise DctchopError(f"--axes must be comma-separated integers, got {text!r}") from None
+    return check_axes(given, ndim, f"--axes {text}".rstrip())
+
+
+def check_axes(given, ndim: int, what: str) -> tuple[int, ...]:
+    """Axes of an ``ndim``-d array as sorted indices from 0 (negative ones count from the end); a
+    DctchopError that starts with ``what`` for anything else (library callers pass tuples, the CLI text)."""
+    try:
+        given = [operator.index(a) for a in given]
+    except TypeError:
+        raise DctchopError(f"{what}: axes must be integers") from None
     if not given:
-        raise DctchopError("--axes names no axis")
+        raise DctchopError(f"{what} names no axis")
     bad = [a for a in given if not -ndim <= a < ndim]
     if bad:
-        raise DctchopError(f"--axes {text}: axis {bad[0]} is out of range for a {ndim}-d array")
+        raise DctchopError(f"{what}: axis {bad[0]} is out of range for a {ndim}-d array")
     axes = tuple(sorted(a % ndim for a in given))
     if len(set(axes)) != len(axes):
-        raise DctchopError(f"--axes {text} names an axis twice (of a {ndim}-d array)")
+        raise DctchopError(f"{what} names an axis twice (of a {ndim}-d array)")
     return axes

@@ -46,9 +46,9 @@ from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 from dctchop import quantize as qz
 from dctchop._version import __version__
 from dctchop.codec import (
-    DTYPE_CODES,
     ChunkSettings,
     DctChopCodec,
+    check_dtype,
     encode_and_measure,
     encode_coefficients,
     read_header,
@@ -58,7 +58,7 @@ from dctchop.dask_runner import task_runner
 from dctchop.errors import CorruptChunkError, DctchopError, first_line, output_exists
 from dctchop.formats import Source, SourceArray
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
-from dctchop.layout import colour_axis, infer_axes
+from dctchop.layout import check_axes, colour_axis, infer_axes
 from dctchop.location import Location, absolute_path, exchange, refuse_special_file, store_holding
 from dctchop.transform import check_blocks, make_plan, per_axis, resolve_threads
 
@@ -199,15 +199,12 @@ def align_chunks(plans: list[ArrayPlan]) -> None:
 def plan_array(source: Source, array: SourceArray, options: CompressOptions) -> ArrayPlan:
     """Check one array against the options and decide its transform, chunking and codec settings."""
     name = array_name(source, array)
-    if array.dtype not in DTYPE_CODES:
-        copy = f"; copy it bit-exactly with --lossless {name}" if source.kind == "hdf5" else ""
-        raise DctchopError(f"{name}: unsupported dtype {array.dtype} for lossy compression; supported: "
-                           f"{', '.join(map(str, DTYPE_CODES))}{copy}")
+    check_dtype(array.dtype, name, f"; copy it bit-exactly with --lossless {name}" if source.kind == "hdf5" else "")
     if 0 in array.shape:
         raise DctchopError(f"{name}: array is empty (shape {list(array.shape)})")
     colour = None
     if options.axes is not None:
-        axes, layout = tuple(options.axes), "custom"
+        axes, layout = check_axes(options.axes, array.ndim, f"{name}: axes {list(options.axes)}"), "custom"
     else:
         axes, layout = infer_axes(array.shape, array.dtype)
         colour = colour_axis(array.shape, layout)

@@ -40,19 +40,19 @@ from pathlib import Path
 import numpy as np
 
 from dctchop import quantize as qz
-from dctchop.codec import DTYPE_CODES, ChunkSettings, decode_chunk, encode_chunk
+from dctchop.codec import ChunkSettings, check_dtype, decode_chunk, encode_chunk
 from dctchop.errors import DctchopError
 from dctchop.formats import SourceArray, open_source
-from dctchop.layout import infer_axes, parse_axes
+from dctchop.layout import check_axes, infer_axes, parse_axes
 from dctchop.store import (
-    DEFAULT_PSNR_FLOAT,
-    DEFAULT_PSNR_INTEGER,
     RATIO_TOLERANCE,
     CompressOptions,
     Target,
     _chunks,
     _pad_to_chunk,
     _stored_bytes,
+    check_target,
+    default_target,
     plan_array,
     unframe,
 )
@@ -217,12 +217,9 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
     """
     source = open_source(input_path, datasets=[dataset] if dataset else (), follow_external=follow_external)
     array = pick_array(source)
-    if array.dtype not in DTYPE_CODES:
-        raise DctchopError(f"{array.name}: unsupported dtype {array.dtype}; supported: "
-                           f"{', '.join(map(str, DTYPE_CODES))}")
-    if isinstance(axes, str):
-        axes = parse_axes(axes, array.ndim)
-    given_axes = None if axes is None else tuple(sorted(int(a) % array.ndim for a in axes))
+    check_dtype(array.dtype, array.name)
+    given_axes = (None if axes is None else parse_axes(axes, array.ndim) if isinstance(axes, str)
+                  else check_axes(axes, array.ndim, f"{array.name}: axes {list(axes)}"))
     if given_axes is not None:
         axes, layout = given_axes, "custom"
     else:
@@ -253,11 +250,6 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
 # ---------------------------------------------------------------------------------------------- recommend
 
 
-def default_target(dtype) -> tuple[str, float]:
-    """No target given: the PSNR ``dctchop compress`` defaults to (40 dB integer, 60 dB floating point)."""
-    return ("psnr", DEFAULT_PSNR_INTEGER if np.dtype(dtype).kind in "iu" else DEFAULT_PSNR_FLOAT)
-
-
 def recommend(result: dict, target_ratio: float | None = None, target_psnr: float | None = None,
               output: str | None = None, axes_text: str | None = None, dataset: str | None = None) -> dict:
     """The setting to use for a target ratio (best PSNR with ratio >= R within 5%) or a target PSNR (highest
@@ -266,14 +258,13 @@ def recommend(result: dict, target_ratio: float | None = None, target_psnr: floa
     (with ``--dataset`` when the sweep was of a named ``dataset``: the settings are for that array)."""
     if target_ratio is not None and target_psnr is not None:
         raise DctchopError("give at most one of --target-ratio and --target-psnr")
-    if target_ratio is not None:
-        if not target_ratio > 0:
-            raise DctchopError(f"--target-ratio must be positive, got {target_ratio}")
-        kind, value = "ratio", float(target_ratio)
-    elif target_psnr is not None:
-        kind, value = "psnr", float(target_psnr)
+    if target_ratio is not None or target_psnr is not None:
+        kind, value = ("ratio", target_ratio) if target_ratio is not None else ("psnr", target_psnr)
+        check_target(kind, value, f"--target-{kind}")
+        value = float(value)
     else:
-        kind, value = default_target(result["dtype"])
+        target = default_target(result["dtype"])
+        kind, value = target.kind, target.value
     out = {"target": {"kind": kind, "value": value, "given": target_ratio is not None or target_psnr is not None}}
     points = [(i, p) for i, p in enumerate(result["settings"]) if p["reachable"]]
     if not result["settings"] and result["skipped"]:  # every setting failed (data out of range, say)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import shlex
 import shutil
 import struct
@@ -29,6 +30,7 @@ import numpy as np
 import pytest
 import zarr
 
+from dctchop.errors import DctchopError
 from dctchop.preview import DEFAULT_SAMPLES, HEADER_PX, ROW_PX, WIDTH_PX, check_indices, make_view
 from dctchop.sweep import PLOT_HEIGHT_PX, PLOT_WIDTH_PX, Setting, compress_command, pareto, recommend
 
@@ -398,6 +400,11 @@ def test_pareto_and_recommend():
     none = recommend({"input": "x.npy", "follow_external": False, "dtype": "float64", "settings": [],
                       "skipped": skipped})
     assert none["command"] is None and none["reason"] == "no setting applies: values up to 1e+300 are too large"
+    # library callers got targets that compress refuses: a ratio below 1, a negative PSNR
+    for bad, message in (({"target_ratio": 0.5}, "--target-ratio must be a finite number, at least 1, got 0.5"),
+                         ({"target_psnr": -3}, "--target-psnr must be a number of dB between 0")):
+        with pytest.raises(DctchopError, match=re.escape(message)):
+            recommend(result, **bad)
     assert compress_command("x.npy", ["--keep", "4"], axes_text="1,2") == "dctchop compress x.npy x.zarr --axes 1,2 --keep 4"
     # a stem starting with "-" made an OUTPUT that compress took for an option ("No such option '-g'")
     assert compress_command("./-g.npy", ["--keep", "4"]) == "dctchop compress ./-g.npy ./-g.zarr --keep 4"
@@ -476,3 +483,21 @@ def test_sweep_rows_are_what_compress_stores(tmp_path, case):
         assert row["ratio"] == pytest.approx(x.nbytes / chunk_bytes, rel=1e-12)
         assert row["psnr"] == pytest.approx(info["psnr"], abs=1e-9) and row["reachable"]
         assert row["max_abs_error"] == pytest.approx(info["max_abs_error"], rel=1e-6)
+
+
+@pytest.mark.parametrize("axes, message", [((0, 5), "axes [0, 5]: axis 5 is out of range for a 3-d array"),
+                                           ((1, -2), "axes [1, -2] names an axis twice"),
+                                           ((1.5, 2), "axes [1.5, 2]: axes must be integers")])
+def test_library_axes_are_checked_as_the_cli_checks_them(tmp_path, axes, message):
+    """sweep(axes=(0, 5)) ran on axes (0, 2) (taken modulo the rank) and compress with those options failed
+    with an IndexError: both refuse them as --axes does, naming the array."""
+    from dctchop.formats import open_source
+    from dctchop.store import CompressOptions, compress
+    from dctchop.sweep import sweep
+
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(8, 16, 16)).astype(np.float32))
+    with pytest.raises(DctchopError, match=re.escape(f"x: {message}")):
+        sweep(tmp_path / "x.npy", axes=axes)
+    with pytest.raises(DctchopError, match=re.escape(f"data: {message}")):
+        compress(open_source(str(tmp_path / "x.npy")), tmp_path / "x.zarr", CompressOptions(axes=axes))
+    assert not (tmp_path / "x.zarr").exists()
