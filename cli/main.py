@@ -87,16 +87,14 @@ class _Progress:
 @click.group(context_settings=CONTEXT)
 @click.version_option(__version__, "--version", prog_name="dctchop")
 @click.option("--debug", is_flag=True, help="Show tracebacks for internal errors.")
-@click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
+def cli(debug: bool) -> None:
     """Compress image and scientific tensors (HDF5, NPY) into Zarr stores with a blockwise DCT.
 
     \b
     dctchop compress images.h5 images.zarr          # defaults: PSNR 40 dB (integer) / 60 dB (float)
     dctchop inspect images.zarr                     # ratio, PSNR, max error per array
     dctchop decompress images.zarr restored.h5
-    """
-    ctx.obj = {"debug": debug}
+    """  # --debug is read by main(), which must know it before click parses anything
 
 
 cli.add_command(preview)

@@ -279,8 +279,3 @@ def check_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> Pla
     if len(data) != expected:
         raise CorruptChunkError(f"bit-plane payload is {len(data)} bytes, its masks say {expected}")
     return Planes(np.frombuffer(data, dtype=np.uint8, offset=head), masks, offsets[:-1], seg_starts, dtype.itemsize)
-
-
-def from_planes(data: memoryview | bytes, seg_starts: np.ndarray, dtype) -> np.ndarray:
-    """Inverse of :func:`to_planes`; CorruptChunkError when the size does not match the masks."""
-    return check_planes(data, seg_starts, dtype).unpack()

@@ -180,12 +180,12 @@ def encode_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1, valid
     return _encode(x, settings, threads, measure=False, valid_rows=valid_rows)[0]
 
 
-def encode_and_measure(x: np.ndarray, settings: ChunkSettings, threads: int = 1,
-                       valid_rows: int | None = None) -> tuple[bytes, float, float]:
+def encode_and_measure(x: np.ndarray, settings: ChunkSettings, valid_rows: int | None = None
+                       ) -> tuple[bytes, float, float]:
     """:func:`encode_chunk`, plus (sum of squared error, max abs error) of what those bytes decode to
     against ``x``: a PSNR target measures that anyway. ``valid_rows``: only the first rows along axis 0
     are data (the rest pads a partial chunk), so the target and the measurement count those."""
-    data, stats = _encode(x, settings, threads, measure=True, valid_rows=valid_rows)
+    data, stats = _encode(x, settings, 1, measure=True, valid_rows=valid_rows)
     return data, *stats
 
 
@@ -948,13 +948,13 @@ class ChunkDecoder:
 
 
 def decode_chunk(data: bytes | memoryview, shape: tuple[int, ...], dtype, threads: int = 1,
-                 out: np.ndarray | None = None, channels_first: bool = False, rows=None) -> np.ndarray:
+                 out: np.ndarray | None = None, channels_first: bool = False) -> np.ndarray:
     """Decode one chunk that must hold an array of ``shape`` and ``dtype``: :meth:`ChunkDecoder.decode`.
 
     Raises :class:`CorruptChunkError` for anything that is not a valid chunk of that shape and dtype.
     Bit planes are unpacked straight into each slab's coefficients (no int array in between).
     """
-    return ChunkDecoder(data, shape, dtype).decode(threads, out, channels_first, rows)
+    return ChunkDecoder(data, shape, dtype).decode(threads, out, channels_first)
 
 
 # ---------------------------------------------------------------------------------------------- zarr codec

@@ -131,8 +131,9 @@ def _quality(table: dict[str, np.ndarray]) -> dict[str, float]:
 def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | None = None) -> dict:
     """Per array: shape, dtype, axes, settings, original and stored bytes (everything on disk for the array,
     its metadata included), ratio, PSNR over chunks, max abs error; plus totals. With ``verify`` (a source
-    path) and no chunk damaged, also ``verify``: what :func:`verify_store` reports, without checking every
-    chunk file a second time."""
+    path) and no chunk damaged, also ``verify``: per array, the chunks decoded and compared with the source
+    (PSNR and max error recomputed against the stored metadata) and the mismatches found; every chunk file
+    is checked once."""
     group, info = open_store(path)
     location = Location(path)
     arrays = {}
@@ -213,14 +214,6 @@ def describe_damage(path: str | Path, problems: dict[str, list[dict]], groups: l
     return f"{path}: {found[0]}{more}"
 
 
-def verify_store(path: str | Path, source_path: str | Path) -> dict:
-    """Decode every chunk, recompute PSNR and max error against ``source_path`` and compare with the stored
-    metadata. Returns per array the number of chunks checked and the mismatches found."""
-    group, info = open_store(path)
-    require_intact(path, info, group)
-    return _verify(group, info, source_path)
-
-
 def source_mismatch(source_path, src, entry: dict) -> str | None:
     """Why the input array ``src`` (None: the file has none of the recorded name) cannot be what the stored
     array ``entry`` was made from; None when it can."""
@@ -233,7 +226,9 @@ def source_mismatch(source_path, src, entry: dict) -> str | None:
 
 
 def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
-    """:func:`verify_store` of a store whose chunk files are known to be intact."""
+    """Decode every chunk of a store whose chunk files are known to be intact, recompute PSNR and max error
+    against ``source_path`` and compare with the stored metadata: per array, the chunks checked and the
+    mismatches found."""
     if info["source"]["kind"] == "npy" or str(source_path).lower().endswith(".npy"):
         source = open_source(str(source_path))  # one array: its name is the file's, whatever it is called now
         by_name = {a["source"]: source.lossy[0] for a in info["arrays"].values()} if source.lossy else {}

@@ -164,9 +164,9 @@ def make_view(shape, axes, layout: str) -> View:
     return View(kind, sample_axis, tuple(sorted(picture)), rgb, fixed)
 
 
-def default_indices(n: int, count: int = DEFAULT_SAMPLES) -> list[int]:
-    """``count`` indices spread evenly over ``range(n)``, first and last included."""
-    return sorted({int(i) for i in np.linspace(0, n - 1, min(count, n)).round()})
+def default_indices(n: int) -> list[int]:
+    """:data:`DEFAULT_SAMPLES` indices spread evenly over ``range(n)``, first and last included."""
+    return sorted({int(i) for i in np.linspace(0, n - 1, min(DEFAULT_SAMPLES, n)).round()})
 
 
 def check_indices(indices, n: int, name: str) -> list[int]:

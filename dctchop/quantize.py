@@ -19,9 +19,9 @@ equals squared error in data space. For a chunk of N values::
     N * MSE = dropped + sum over stored coefficients of (c - step * q)**2  (+ N/12 for integers)
 
 ``dropped`` is the energy of the coefficients the mask removes (= sum x**2 - sum of stored c**2, by
-Parseval), q the stored level; the last term is the rounding of integer outputs. For planning without the
-coefficients, the classic high-rate model replaces each stored coefficient's error by ``min(step**2 / 12,
-c**2)``: :func:`expected_mse`. :func:`coefficient_error` computes the exact quantization term.
+Parseval), q the stored level; the last term is the rounding of integer outputs. :func:`coefficient_error`
+computes the exact quantization term (the PSNR search starts from the classic high-rate guess, ``step**2 /
+12`` per stored coefficient: :func:`dctchop.codec._step_for_psnr`).
 """
 
 from __future__ import annotations
@@ -306,18 +306,6 @@ def quantize_with_error(values: np.ndarray, steps: np.ndarray, seg_starts, seg_b
 def _nearest(steps: np.ndarray, offsets: np.ndarray | None) -> np.ndarray:
     """``offsets``, or round-to-nearest in every band."""
     return np.full(steps.size, 0.5) if offsets is None else np.asarray(offsets, dtype=np.float64)
-
-
-def expected_mse(values: np.ndarray, steps: np.ndarray, seg_starts, seg_bands, n_total: int,
-                 dropped: float, integer_output: bool) -> float:
-    """High-rate model of the MSE for ``n_total`` data values: each stored coefficient contributes
-    ``min(step**2 / 12, c**2)`` (a coefficient smaller than half a step is zeroed), plus the dropped energy,
-    plus 1/12 per value for rounding to an integer dtype."""
-    total = dropped
-    for s, e, b in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
-        c2 = values[s:e].astype(np.float64) ** 2
-        total += float(np.sum(np.minimum(steps[b] ** 2 / 12.0, c2)))
-    return total / n_total + (1.0 / 12.0 if integer_output else 0.0)
 
 
 @numba.njit(nogil=True, cache=True)

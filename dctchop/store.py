@@ -454,8 +454,9 @@ def _process_alive(pid: int) -> bool:
 
 
 def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
-    """Refuse an output that would replace or hold the input, or something that is not a store. A local
-    URL (``file://``) names the same files as a path, so it is checked as that path."""
+    """Refuse an output that would replace or hold the input, lie inside a Zarr store, or replace a device,
+    FIFO or socket, a directory that is not a dctchop store, or (without ``overwrite``) anything at all. A
+    local URL (``file://``) names the same files as a path, so it is checked as that path."""
     local = output.local_path
     if local is not None:
         out = local.resolve()

@@ -205,8 +205,8 @@ def pareto(points: list[dict]) -> None:
 
 
 def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int | None = None,
-          axes: str | tuple[int, ...] | None = None, threads: int = 0,
-          grid: list[Setting] | None = None, follow_external: bool = False) -> dict:
+          axes: str | tuple[int, ...] | None = None, grid: list[Setting] | None = None,
+          follow_external: bool = False) -> dict:
     """Run the grid on a sample of one array of ``input_path`` (see the module docstring).
 
     ``axes``: the transformed axes (a tuple, or text like ``"1,2"``); default inferred from the layout.
@@ -228,7 +228,7 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
     peak = qz.dtype_peak(x.dtype)
     if peak is None:
         peak = qz.float_peak(float(x.min()), float(x.max())) if x.size else 1.0
-    threads = resolve_threads(threads)
+    threads = resolve_threads(0)  # all cores
     results, skipped, used_axes = [], [], None
     for setting in grid if grid is not None else settings_grid(x.dtype):
         try:
@@ -251,7 +251,7 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
 
 
 def recommend(result: dict, target_ratio: float | None = None, target_psnr: float | None = None,
-              output: str | None = None, axes_text: str | None = None, dataset: str | None = None) -> dict:
+              axes_text: str | None = None, dataset: str | None = None) -> dict:
     """The setting to use for a target ratio (best PSNR with ratio >= R within 5%) or a target PSNR (highest
     ratio with PSNR >= D); default: the PSNR ``dctchop compress`` defaults to. Returns the target, the chosen
     setting's index and name (``None`` when no setting qualifies, with the reason) and the command line
@@ -284,14 +284,13 @@ def recommend(result: dict, target_ratio: float | None = None, target_psnr: floa
         return {**out, "index": None, "setting": None, "command": None, "reason": why}
     i, p = best
     return {**out, "index": i, "setting": p["name"], "ratio": p["ratio"], "psnr": p["psnr"],
-            "command": compress_command(result["input"], p["options"], output, axes_text, dataset,
-                                        result["follow_external"])}
+            "command": compress_command(result["input"], p["options"], axes_text, dataset, result["follow_external"])}
 
 
-def compress_command(input_path: str, options: list[str], output: str | None = None,
-                     axes_text: str | None = None, dataset: str | None = None, follow_external: bool = False) -> str:
-    """``dctchop compress INPUT OUTPUT OPTIONS``, shell-quoted; OUTPUT defaults to INPUT's stem + .zarr."""
-    output = output or Path(input_path).stem + ".zarr"
+def compress_command(input_path: str, options: list[str], axes_text: str | None = None, dataset: str | None = None,
+                     follow_external: bool = False) -> str:
+    """``dctchop compress INPUT OUTPUT OPTIONS``, shell-quoted; OUTPUT is INPUT's stem + .zarr."""
+    output = Path(input_path).stem + ".zarr"
     extra = ((["--dataset", dataset] if dataset else []) + (["--axes", axes_text] if axes_text else [])
              + (["--follow-external"] if follow_external else []))
     paths = [f"./{p}" if p.startswith("-") else p for p in (str(input_path), output)]  # not read as options

@@ -1,4 +1,4 @@
-"""``.npy`` input: one array, memory-mapped, never unpickled.
+"""``.npy`` input: one array, read slab by slab, never unpickled.
 
 ``np.load`` of an object-dtype file runs pickle, i.e. arbitrary code from the file. So the header is parsed
 on its own first (``read_magic`` + ``read_array_header_*``) and anything holding Python objects is refused
@@ -6,8 +6,9 @@ before ``np.load`` ever sees it; ``allow_pickle=False`` is a second fence. The h
 data bytes the file must hold, which turns a truncated file into a clear error instead of a failed (or,
 later, faulting) memory map.
 
-Data is read through ``np.load(..., mmap_mode="r")``: only the slabs asked for are paged in, and
-Fortran-ordered or big-endian files are converted slab by slab into C-ordered native arrays.
+Only the slabs asked for are read (:func:`read_npy`): C-ordered files with positioned reads straight into
+the result, Fortran-ordered ones through ``np.load(..., mmap_mode="r")``; both come back as C-ordered
+arrays in native byte order.
 """
 
 from __future__ import annotations
@@ -99,8 +100,7 @@ def open_npy(file: str, datasets=(), lossless=()) -> Source:
 
     The array is named after the file stem and is lossy, unless ``lossless`` names it. ``datasets`` and
     ``lossless`` may name it by that stem or by :data:`STORED_NAME`, its name in a store (leading ``"/"``
-    optional), so a selection recorded for an ``.npy`` input (e.g. by ``inspect --verify``) can be passed
-    back unchanged.
+    optional).
     """
     name = os.path.splitext(os.path.basename(file))[0]
     for n in (*datasets, *lossless):

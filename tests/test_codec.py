@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dctchop import quantize as qz
-from dctchop.bitplanes import from_planes
+from dctchop.bitplanes import check_planes
 from dctchop.codec import (
     FLAG_OFFSET,
     FORMAT_VERSION,
@@ -776,7 +776,7 @@ def test_read_header_fields():
     assert struct.unpack_from("<3I", chunk, 12) == (2, 9, 10)
     assert h.bitplanes  # int16 values are stored as bit planes
     np.testing.assert_array_equal(
-        from_planes(memoryview(chunk)[h.payload_offset :], plan.order[1], np.int16).size, h.n_values)
+        check_planes(memoryview(chunk)[h.payload_offset :], plan.order[1], np.int16).unpack().size, h.n_values)
     unit = read_header(encode_chunk(x, ChunkSettings((1, 2), (4, 5), (3, 2))))
     assert unit.steps is None and unit.precision == "float32" and unit.mask == "square"
 

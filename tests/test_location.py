@@ -20,7 +20,7 @@ import pytest
 import dctchop
 from dctchop.errors import DctchopError
 from dctchop.formats import open_source
-from dctchop.inspect import inspect_store, verify_store
+from dctchop.inspect import inspect_store
 from dctchop.location import Location
 from dctchop.store import CompressOptions, Target, compress
 
@@ -73,7 +73,7 @@ def test_memory_url_store_equals_local_store(tmp_path, source_h5, memory_root, s
     info = inspect_store(url, chunks=True)
     assert info["arrays"]["images"]["stored_bytes"] == local["arrays"]["images"]["stored_bytes"]
     assert info["arrays"]["images"]["damaged_chunks"] == []
-    assert verify_store(url, source_h5)["images"]["mismatches"] == []
+    assert inspect_store(url, verify=source_h5)["verify"]["images"]["mismatches"] == []
     ds, ds_local = dctchop.open(url), dctchop.open(tmp_path / "local.zarr")
     np.testing.assert_array_equal(ds[:], ds_local[:])
     np.testing.assert_array_equal(ds["labels"][:], np.arange(40))
