@@ -16,7 +16,7 @@ import numpy as np
 from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.formats import HDF5_SUFFIXES, NPY_SUFFIXES
 from dctchop.inspect import open_store, read_rows, require_intact
-from dctchop.location import Location, is_url, refuse_special_file, store_holding
+from dctchop.location import Location, check_output_file, is_url
 from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges, temporary_file
 
 
@@ -38,26 +38,14 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     require_intact(store, info, group)
     if is_url(output):
         raise DctchopError(f"output {output} is a URL; decompress writes a local .npy or .h5 file")
-    if os.fspath(output).endswith(("/", os.sep)):
-        raise DctchopError(f"output {output} names a directory; name a .npy or .h5 file")
-    output = Path(output)
+    local = Location(store).local_path  # a file:// URL names the same files as its path
+    if local is not None and local.resolve() in (Path(output).resolve(), *Path(output).resolve().parents):
+        raise DctchopError(f"output {output} must not be the store {store} or inside it")
+    output = check_output_file(output, NPY_SUFFIXES + HDF5_SUFFIXES)
     names = list(info["arrays"]) + list(info.get("lossless", []))
     suffix = output.suffix.lower()
-    if suffix not in NPY_SUFFIXES + HDF5_SUFFIXES:
-        raise DctchopError(f"output {output} must end in {', '.join(NPY_SUFFIXES + HDF5_SUFFIXES)}")
     if suffix == ".npy" and len(names) != 1:
         raise DctchopError(f"store holds {len(names)} arrays ({', '.join(names)}); write .h5 to keep them all")
-    refuse_special_file(output, output)
-    if not output.parent.resolve().is_dir():
-        raise DctchopError(f"output directory {output.parent} does not exist")
-    local = Location(store).local_path  # a file:// URL names the same files as its path
-    if local is not None and local.resolve() in (output.resolve(), *output.resolve().parents):
-        raise DctchopError(f"output {output} must not be the store {store} or inside it")
-    holder = store_holding(output)
-    if holder is not None:
-        raise DctchopError(f"output {output} must not be inside the Zarr store {holder}")
-    if output.is_dir():
-        raise DctchopError(f"output {output} is a directory; name a .npy or .h5 file")
     if os.path.lexists(output) and not overwrite:  # a link to nothing too
         raise output_exists(output)
     lossless = set(info.get("lossless", []))

@@ -54,6 +54,26 @@ def refuse_special_file(path: Path, output) -> None:
         raise DctchopError(f"output {output} is a device, FIFO or socket, not a file; refusing to replace it")
 
 
+def check_output_file(out: str | os.PathLike, suffixes: tuple[str, ...]) -> Path:
+    """A local output file ``out``: named with one of ``suffixes``, in an existing directory, outside any Zarr
+    store, and not a directory, device, FIFO or socket. Whether it may be replaced is the caller's to say."""
+    names = suffixes[0] if len(suffixes) == 1 else f"{', '.join(suffixes[:-1])} or {suffixes[-1]}"
+    if os.fspath(out).endswith(("/", os.sep)):
+        raise DctchopError(f"output {out} names a directory; name a file ending in {names}")
+    out = Path(out)
+    if out.suffix.lower() not in suffixes:
+        raise DctchopError(f"output {out} must end in {names}")
+    refuse_special_file(out, out)
+    if out.is_dir():
+        raise DctchopError(f"output {out} is a directory; name a file ending in {names}")
+    if not out.parent.resolve().is_dir():
+        raise DctchopError(f"output directory {out.parent} does not exist")
+    holder = store_holding(out)
+    if holder is not None:
+        raise DctchopError(f"output {out} must not be inside the Zarr store {holder}")
+    return out
+
+
 AT_FDCWD, RENAME_EXCHANGE = -100, 2  # renameat2's "relative to the working directory" and its swap flag
 
 

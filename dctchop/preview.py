@@ -35,7 +35,7 @@ import numpy as np
 
 from dctchop import quantize as qz
 from dctchop.errors import DctchopError
-from dctchop.location import refuse_special_file, store_holding
+from dctchop.location import check_output_file
 from dctchop.store import temporary_file
 
 DPI = 128
@@ -64,20 +64,7 @@ def require_matplotlib(what: str = "dctchop preview"):
 
 def check_png_path(out: str | os.PathLike) -> Path:
     """The output picture path: a ``.png`` name in an existing directory, outside any Zarr store."""
-    if os.fspath(out).endswith(("/", os.sep)):
-        raise DctchopError(f"{out} names a directory; name the picture's file")
-    out = Path(out)
-    if out.suffix.lower() != ".png":
-        raise DctchopError(f"{out}: the picture is written as PNG; give a name ending in .png")
-    refuse_special_file(out, out)
-    if out.is_dir():
-        raise DctchopError(f"{out} is a directory")
-    if not out.parent.resolve().is_dir():
-        raise DctchopError(f"output directory {out.parent} does not exist")
-    holder = store_holding(out)
-    if holder is not None:
-        raise DctchopError(f"{out} must not be inside the Zarr store {holder}")
-    return out
+    return check_output_file(out, (".png",))
 
 
 def drawable(text: str) -> str:

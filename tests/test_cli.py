@@ -1014,6 +1014,7 @@ def test_decompress_into_the_store_is_refused(psnr45, tmp_path):
     shutil.copytree(psnr45.store, other)
     user_error(run("decompress", store, other / "x.npy"), f"must not be inside the Zarr store {other}")
     user_error(run("decompress", store, f"{tmp_path}/new.npy/"), "names a directory")  # not a file new.npy
+    user_error(run("decompress", store, tmp_path / "new.txt"), "must end in .npy, .h5 or .hdf5")
     assert snapshot(store) == before and not (tmp_path / "new.npy").exists()
     assert not (other / "x.npy").exists()
 

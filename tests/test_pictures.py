@@ -211,7 +211,7 @@ def test_preview_errors(stores, tmp_path, capsys):
     for name in ("labels", "/labels"):  # HDF5's leading slash is the same name
         fails(cli(stores / "images.zarr", "--out", tmp_path / "a.png", "--array", name), 1,
               "no compressed array 'labels'")
-    fails(cli(stores / "field.zarr", "--out", tmp_path / "a.jpg"), 1, ".png")
+    fails(cli(stores / "field.zarr", "--out", tmp_path / "a.jpg"), 1, "a.jpg must end in .png")
     fails(cli(stores / "field.zarr", "--out", tmp_path / "no" / "a.png"), 1, "does not exist")
     fails(cli(stores / "field.zarr"), 2, "--out")
     fails(cli(stores / "field.zarr", "--out", stores / "field.zarr" / "a.png"), 1, "must not be inside the Zarr store")
