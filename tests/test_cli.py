@@ -552,6 +552,8 @@ def test_ratio_8_within_5_percent(data, tmp_path):
     on_disk = tree_bytes(out / "data") + tree_bytes(out / "dctchop_meta" / "data")
     assert a["stored_bytes"] == on_disk
     assert data.big.nbytes / on_disk == pytest.approx(8, rel=0.05)
+    # the search aims at 1% of the sample's ratio, so that the whole array's lands well within 5%
+    assert data.big.nbytes / on_disk == pytest.approx(8, rel=0.02)
     y = decoded(out, "data")
     assert a["psnr"] == pytest.approx(psnr(data.big, y, 255.0), abs=1e-6)
 
@@ -921,6 +923,18 @@ def test_inspect_verify_fails_against_modified_source(data, base, tmp_path):
     user_error(p, "verification failed")
     assert "verify images: 4 chunk(s) checked, 1 mismatching chunk(s)" in p.stdout
     assert "verify extra/aux: 4 chunk(s) checked, ok" in p.stdout
+
+
+def test_inspect_verify_fails_when_only_a_stored_max_error_is_wrong(data, base, tmp_path):
+    """--verify compares both figures of each chunk: a max error recorded 1 too high, PSNR left as it was."""
+    store = tmp_path / "s.zarr"
+    shutil.copytree(base.store, store)
+    element = store / "dctchop_meta" / "images" / "max_abs_error" / "c.1.0.0.0"
+    value = np.frombuffer(element.read_bytes(), "<f8")
+    element.write_bytes((value + 1).astype("<f8").tobytes())
+    p = run("inspect", store, "--verify", data.h5)
+    user_error(p, "verification failed")
+    assert "verify images: 4 chunk(s) checked, 1 mismatching chunk(s)" in p.stdout
 
 
 def test_inspect_verify_finds_one_value_changed_by_one(data, base, tmp_path):

@@ -367,6 +367,18 @@ def test_epoch_order_is_seeded_by_seed_and_epoch():
     np.testing.assert_array_equal(epoch_order(600, 64, shuffle=False), np.arange(600))
 
 
+def test_epoch_order_changes_each_ranks_chunks_and_mixes_chunks_within_a_window():
+    """The chunk order is drawn per epoch (a rank that got the same chunks every epoch, shuffled only within
+    them, would see half the data; drop_last would drop the same samples), and a window's samples are mixed
+    across its chunks, not chunk by chunk."""
+    chunks_of_rank0 = {frozenset((epoch_order(640, 16, seed=1, epoch=e, rank=0, world_size=2) // 16).tolist())
+                       for e in range(3)}
+    assert len(chunks_of_rank0) == 3
+    order = epoch_order(640, 16, seed=1, window=4)
+    first_batch_chunks = set((order[:16] // 16).tolist())
+    assert len(first_batch_chunks) > 1 and first_batch_chunks <= set((order[:64] // 16).tolist())
+
+
 # ---------------------------------------------------------------------------------------------- loader
 
 

@@ -744,6 +744,7 @@ STORE_DAMAGE = {
     "metadata chunk deleted": ("psnr",),
     "metadata chunk of 2 bytes": ("chunk 3", "per-chunk metadata missing or damaged: psnr"),
     "metadata chunk empty": ("chunk 3", "per-chunk metadata missing or damaged: psnr"),
+    "metadata chunk a byte too long": ("chunk 3", "per-chunk metadata missing or damaged: psnr"),
     "metadata array of another shape": ("metadata array psnr is float64[3, 1, 1], not float64[8, 1, 1]",),
     "array and its metadata deleted": ("array data", "cannot be opened"),
     "store record without a field": ("its dctchop attributes have a bad peak of array data",),
@@ -772,6 +773,9 @@ def test_damaged_store_structure(tmp_path, good_store, damage):
         shutil.rmtree(store / "dctchop_meta" / "data" / "psnr")
     elif damage == "metadata chunk deleted":
         (store / "dctchop_meta" / "data" / "psnr" / "c.3.0.0").unlink()
+    elif damage == "metadata chunk a byte too long":
+        element = store / "dctchop_meta" / "data" / "psnr" / "c.3.0.0"
+        element.write_bytes(element.read_bytes() + b"x")
     elif damage.startswith("metadata chunk"):  # inspect failed on these as an internal error
         (store / "dctchop_meta" / "data" / "psnr" / "c.3.0.0").write_bytes(b"xx" if "2 bytes" in damage else b"")
     elif damage == "metadata array of another shape":

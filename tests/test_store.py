@@ -203,6 +203,13 @@ def test_an_array_beyond_the_ratio_at_the_finest_step_is_stored_there_with_a_not
     images, masks = summary["arrays"]["images"], summary["arrays"]["masks"]
     assert abs(images["ratio"] / 1.5 - 1) <= 0.05 and "note" not in images
     assert masks["ratio"] > 10 and "finest int16 quantization" in masks["note"] and masks["max_abs_error"] == 0
+    # a target just beyond the tolerance of the finest step's ratio is stored there too (not refused)
+    np.save(tmp_path / "zeros.npy", np.zeros((64, 32, 32), np.uint8))
+    finest = compress(open_source(str(tmp_path / "zeros.npy")), tmp_path / "z1.zarr",
+                      CompressOptions(target=Target("ratio", 1.5)))["arrays"]["data"]["ratio"]
+    zeros = compress(open_source(str(tmp_path / "zeros.npy")), tmp_path / "z2.zarr",
+                     CompressOptions(target=Target("ratio", finest / 1.1)))["arrays"]["data"]
+    assert zeros["ratio"] == finest and "finest int16 quantization" in zeros["note"]
 
 
 def test_a_ratio_estimated_at_the_edge_of_reach_is_refused_before_writing(tmp_path):
@@ -246,6 +253,7 @@ def test_a_ratio_sample_holding_a_short_last_chunk_is_scaled_by_samples(tmp_path
     summary = compress(open_source(str(tmp_path / "x.npy")), tmp_path / "x.zarr",
                        CompressOptions(target=Target("ratio", 8.0), chunk_samples=40))
     assert abs(summary["arrays"]["data"]["ratio"] / 8 - 1) <= 0.05
+    assert "note" not in summary["arrays"]["data"]  # met by the first write, not by a second search
 
 
 def test_a_ratio_missed_for_unsampled_chunks_is_searched_again_on_chunks_picked_by_size(tmp_path, monkeypatch):
