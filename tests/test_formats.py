@@ -513,12 +513,14 @@ def test_hdf5_narrow_table_beside_labels_is_per_sample_but_a_lone_field_is_not(t
     path = tmp_path / "tables.h5"
     with h5py.File(path, "w") as f:
         f["points"] = np.random.default_rng(1).random((500, 3)).astype(np.float32)  # xyz of each sample
+        f["features"] = np.random.default_rng(2).random((500, 7)).astype(np.float32)  # narrower than a block
         f["labels"] = np.arange(500) % 4
         f["field"] = np.ones((64, 64), np.float32)  # a 2-D field with its coordinates
+        f["wide"] = np.ones((500, 8), np.float32)  # a block wide, and no stack of 500 samples: a 2-D field
         f["x"] = np.arange(64.0)
     src = open_source(path)
-    assert names(src.lossy) == ["/field"]
-    assert sorted(names(src.lossless)) == ["/labels", "/points", "/x"]
+    assert names(src.lossy) == ["/field", "/wide"]
+    assert sorted(names(src.lossless)) == ["/features", "/labels", "/points", "/x"]
 
 
 def test_hdf5_empty_dataset_is_copied_not_compressed(tmp_path):
@@ -624,6 +626,11 @@ def test_hdf5_masks_and_other_integers_are_copied_by_default(tmp_path):
                                            "/uint64"]
     (named,) = open_source(path, datasets=["masks"]).lossy  # naming one still compresses it
     assert named.name == "/masks"
+    with h5py.File(tmp_path / "flow.h5", "w") as f:  # two channels are a "colour" stack too (flow, dual-pol)
+        f["flow"] = rng.integers(0, 256, (6, 16, 20, 2), dtype=np.uint8)
+        f["valid"] = rng.integers(0, 2, (6, 16, 20), dtype=np.uint8)
+    src = open_source(tmp_path / "flow.h5")
+    assert names(src.lossy) == ["/flow"] and names(src.lossless) == ["/valid"]
 
 
 def test_hdf5_big_endian_and_zero_d(tmp_path):
