@@ -109,6 +109,14 @@ FORMAT_VERSION = 1
 DTYPE_CODES = {np.dtype(t): i for i, t in enumerate(("uint8", "uint16", "int16", "float16", "float32", "float64"))}
 PRECISION_CODES = {p: i for i, p in enumerate(qz.PRECISIONS)}
 MAX_NDIM = 32
+MAX_STEPS = 64**3  # a step per band of the largest block
+
+
+def most_coded_bytes(shape: tuple[int, ...]) -> int:
+    """An upper bound on the bytes of a chunk of ``shape``: its header with a full step table (12 bytes a
+    step, with its band), and at most 4 bytes a value (float32; bit planes of int16 take 2, with a 2-byte
+    mask per run of at least 8 values)."""
+    return 4096 + 4 * MAX_NDIM + 12 * MAX_STEPS + 4 * math.prod(shape)
 PSNR_RETRIES = 8
 PSNR_RETRY_FACTOR = 0.97
 SEARCH_SAMPLE = 1 << 16  # coefficients the PSNR step search runs on before its exact check
@@ -772,7 +780,7 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
     pos += 3 * naxes
     (n_steps,) = struct.unpack_from("<I", data, pos)
     pos += 4
-    if n_steps > 64**3:
+    if n_steps > MAX_STEPS:
         raise CorruptChunkError(f"chunk header has a bad step count ({n_steps})")
     steps, pos = _read_step_table(data, pos, n_steps, bool(flags & FLAG_STEP_TABLE))
     if len(data) < pos + 8:
@@ -822,14 +830,19 @@ class StoredChunk:
     level_bound: float = math.inf
 
 
+def read_expected_header(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> ChunkHeader:
+    """:func:`read_header` of a chunk that must hold an array of ``shape`` and ``dtype``."""
+    header = read_header(data)
+    if header.shape != tuple(int(s) for s in shape) or header.dtype != np.dtype(dtype).newbyteorder("="):
+        raise CorruptChunkError(f"chunk holds {header.dtype}{list(header.shape)}, expected "
+                                f"{np.dtype(dtype)}{list(shape)}")
+    return header
+
+
 def _checked(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> tuple[ChunkHeader, TransformPlan,
                                                                           np.ndarray, memoryview]:
     """(header, plan, steps, payload) of a chunk that must hold an array of ``shape`` and ``dtype``."""
-    header = read_header(data)
-    shape = tuple(int(s) for s in shape)
-    if header.shape != shape or header.dtype != np.dtype(dtype).newbyteorder("="):
-        raise CorruptChunkError(f"chunk holds {header.dtype}{list(header.shape)}, expected "
-                                f"{np.dtype(dtype)}{list(shape)}")
+    header = read_expected_header(data, shape, dtype)
     try:
         plan = make_plan(header.shape, header.axes, header.block, header.keep, header.mask)
     except DctchopError as e:

@@ -31,18 +31,20 @@ from pathlib import Path
 
 import numpy as np
 import zarr
-from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from dctchop.codec import ChunkDecoder, DctChopCodec, StoredChunk, read_stored
+from dctchop.codec import ChunkDecoder, StoredChunk, most_coded_bytes, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError, first_line
 from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
 from dctchop.store import (
     FILE_FIELDS,
+    LOSSY_CODECS,
     META_GROUP,
     LosslessCopy,
+    check_frame,
     chunk_file,
     chunk_metadata,
+    codecs_as_written,
     element_dtype,
     element_per_file,
     every_chunk_written,
@@ -78,8 +80,7 @@ class _LossyArray:
         self.chunk_shape = tuple(array.chunks)
         self.chunk_len = self.chunk_shape[0]
         codecs = tuple(type(c) for c in getattr(array.metadata, "codecs", ()))
-        self.direct = (codecs == (DctChopCodec, ZstdCodec, Crc32cCodec) and self.chunk_shape[1:] == self.shape[1:]
-                       and root.exists(name))
+        self.direct = codecs == LOSSY_CODECS and self.chunk_shape[1:] == self.shape[1:] and root.exists(name)
         self._root = root
         self._recorded = recorded  # chunk -> its file's size and checksum as written (:func:`_recorded_files`)
 
@@ -97,7 +98,7 @@ class _LossyArray:
         if problem := not_as_written(data, self._recorded(index)):
             raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): {problem}; the store is damaged")
         try:
-            return unframe(data)
+            return unframe(data, most_coded_bytes(self.chunk_shape))
         except CorruptChunkError as e:
             raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): {e}") from None
 
@@ -150,6 +151,7 @@ class _LosslessArray:
         self.chunk_len = chunk_len
         self.direct = False
         self._zarr_len = array.chunks[0] if array.ndim else 1
+        self._zarr_chunk_bytes = math.prod(array.array.chunks) * array.array.dtype.itemsize  # edge chunks whole
         self._zarr_chunk = lru_cache(maxsize=CACHED_CHUNKS)(self._read_zarr_chunk)
 
     def _read_zarr_chunk(self, k: int) -> np.ndarray:
@@ -160,7 +162,12 @@ class _LosslessArray:
         try:
             # a copy with no values (shape (5, 0) too) has no files
             if self.array.n_chunks and self._checksums is not None:
-                problem = not_as_written(self._root.read(key), {"checksum": self._checksums[k]})
+                raw = self._root.read(key)
+                problem = not_as_written(raw, {"checksum": self._checksums[k]})
+                try:
+                    check_frame(raw, self._zarr_chunk_bytes)  # before Zarr allocates what the frame says
+                except CorruptChunkError as e:
+                    problem = problem or str(e)
                 if problem:
                     raise CorruptChunkError(f"{where}: {problem}; the store is damaged")
             elif self._complete and self.array.n_chunks and not self._root.exists(key):
@@ -573,6 +580,9 @@ class Dataset:
             if list(array.shape) != list(info["arrays"][name]["shape"]):
                 raise DctchopError(f"{self.path}: array {name}'s metadata says shape {list(array.shape)}, the "
                                    f"store's record {info['arrays'][name]['shape']}; the store is damaged")
+            if not codecs_as_written(array, info["arrays"][name]["codec"]):
+                raise DctchopError(f"{self.path}: array {name}'s metadata names other codecs than the ones the "
+                                   "store's record says were written; the store is damaged")
             self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array,
                                                       _recorded_files(Location(self.path), group, info, name)),
                                           info["arrays"][name], self._threads)

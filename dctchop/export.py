@@ -82,6 +82,9 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
                             _restore_dtype(attrs, key, dtype)
                 for link in info.get("links", []):  # targets are stored objects, so they exist by now
                     target = link["target"]
+                    if target not in h5:  # a store before format 4, which does not list its groups
+                        raise DctchopError(f"damaged store: {store}: its link {link['path']} names {target}, "
+                                           "which it does not hold")
                     h5[link["path"]] = h5py.SoftLink(target) if link["kind"] == "soft" else h5[target]
         os.replace(tmp, output)
     except BaseException as e:

@@ -8,10 +8,13 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from dctchop.codec import DctChopCodec, check_dtype
 from dctchop.errors import DctchopError
 from dctchop.formats import open_source
 from dctchop.location import Location
 from dctchop.store import (
+    META_GROUP,
+    STORE_FORMAT,
     ZSTD_LEVEL,
     LosslessCopy,
     _chunk_metrics,
@@ -43,6 +46,9 @@ def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
     damaged = _damaged_record(info)
     if damaged:
         raise DctchopError(f"store {path} is damaged: its dctchop attributes have a bad {damaged}")
+    if info.get("store_format", 1) > STORE_FORMAT:
+        raise DctchopError(f"store {path} is of store format {info['store_format']}, which this dctchop does not "
+                           f"read (formats 1 to {STORE_FORMAT}); upgrade dctchop")
     return group, info
 
 
@@ -74,6 +80,8 @@ def _damaged_record(info: dict) -> str | None:
         return "lossless"
     if not _str_list(info.get("groups", [])):
         return "groups"
+    if any(not n or n.split("/")[0] == META_GROUP for n in [*arrays, *lossless]):
+        return "array name"
     for name, a in arrays.items():
         for key, kind in RECORD_FIELDS.items():
             value = a.get(key)
@@ -83,13 +91,78 @@ def _damaged_record(info: dict) -> str | None:
         if (not shape or len(shape) != len(chunks) or not all(isinstance(n, int) and n >= 0 for n in shape)
                 or not all(isinstance(n, int) and n > 0 for n in chunks)):
             return f"shape or chunks of array {name}"
+        if not _readable_settings(a):
+            return f"dtype, axes, target or codec of array {name}"
     checks = info.get("lossless_checks", {})
     if not isinstance(checks, dict):
         return "lossless_checks"
     for name, c in checks.items():
         if not (isinstance(c, dict) and _int_list(c.get("shape")) and _int_list(c.get("checksums"))):
             return f"lossless_checks of array {name}"
+    return _damaged_source_details(info)
+
+
+def _readable_settings(a: dict) -> bool:
+    """Whether a lossy array's record holds a dtype the codec takes, axes of its shape, a target and the
+    codec's configuration, as compress writes them (readers index, decode and print with them)."""
+    try:
+        check_dtype(a["dtype"], "")
+        DctChopCodec.from_dict({"name": "dctchop", "configuration": a["codec"]})
+    except (DctchopError, TypeError, ValueError):
+        return False
+    target = a["target"]
+    return (a["original_bytes"] > 0 and _int_list(a["axes"]) and all(n < len(a["shape"]) for n in a["axes"])
+            and target.get("kind") in ("keep", "ratio", "psnr") and "value" in target)
+
+
+def _damaged_source_details(info: dict) -> str | None:
+    """The first of the record's notes on its source that decompress and the readers could not use: the
+    source itself, its links, enum labels, attribute dtypes and the dtypes of copies stored as bytes."""
+    source, names = info.get("source"), {"", *info["arrays"], *info.get("lossless", []), *info.get("groups", [])}
+    if not (isinstance(source, dict) and isinstance(source.get("path"), str) and source.get("kind") in ("npy", "hdf5")):
+        return "source"
+    links = info.get("links", [])
+    if not isinstance(links, list) or not all(
+            isinstance(link, dict) and isinstance(link.get("path"), str) and link.get("kind") in ("hard", "soft")
+            and isinstance(link.get("target"), str)
+            # groups are listed from store format 4 on: a link's target is one of the stored names
+            and (info.get("store_format", 1) < 4 or link["target"].strip("/") in names)
+            for link in links):
+        return "links"
+    enums = info.get("enums", {})
+    if not isinstance(enums, dict) or not all(
+            name in info.get("lossless", []) and isinstance(labels, dict)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in labels.values())
+            for name, labels in enums.items()):
+        return "enums"
+    attr_dtypes = info.get("attr_dtypes", {})
+    if not isinstance(attr_dtypes, dict) or not all(
+            isinstance(dtypes, dict) and all(_attr_dtype(d) for d in dtypes.values()) for dtypes in attr_dtypes.values()):
+        return "attr_dtypes"
+    as_bytes = info.get("stored_as_bytes", {})
+    if not isinstance(as_bytes, dict) or not all(name in info.get("lossless", []) and _descr(d)
+                                                  for name, d in as_bytes.items()):
+        return "stored_as_bytes"
     return None
+
+
+def _attr_dtype(text) -> bool:
+    """An attribute's recorded dtype: "str", a dtype, or the subarray dtype of an empty array (a 0 in its shape)."""
+    if text == "str":
+        return True
+    try:
+        dtype = np.dtype(text)
+    except (TypeError, ValueError):
+        return False
+    return dtype.subdtype is None or 0 in dtype.subdtype[1]
+
+
+def _descr(descr) -> bool:
+    """A dtype as ``np.lib.format`` writes it, of items with bytes (the dtype of a copy stored as bytes)."""
+    try:
+        return np.lib.format.descr_to_dtype(descr).itemsize > 0
+    except (TypeError, ValueError, KeyError, IndexError):
+        return False
 
 
 def _str_list(value) -> bool:

@@ -51,6 +51,8 @@ from dctchop.codec import (
     check_dtype,
     encode_and_measure,
     encode_coefficients,
+    most_coded_bytes,
+    read_expected_header,
     read_header,
     transform_chunk,
 )
@@ -531,25 +533,63 @@ def meta_fields(info: dict) -> dict[str, str]:
     return {key: dtype for key, dtype in META_FIELDS.items() if key != "checksum"}
 
 
-def unframe(raw: bytes) -> bytes:
-    """Inverse of :func:`_stored_bytes`: check the crc32c trailer, undo zstd; CorruptChunkError if damaged."""
-    if len(raw) < 5:
-        raise CorruptChunkError(f"chunk file is {len(raw)} bytes (truncated)")
-    body, trailer = np.frombuffer(raw, np.uint8, count=len(raw) - 4), raw[-4:]  # a view, not a copy
-    if struct.pack("<I", google_crc32c.value(body)) != trailer:
-        raise CorruptChunkError("crc32c checksum mismatch (the chunk file is corrupted or truncated)")
+def unframe(raw: bytes, most: int | None) -> bytes:
+    """Inverse of :func:`_stored_bytes`: check the crc32c trailer, undo zstd; CorruptChunkError if damaged.
+    ``most``: the most bytes the chunk can hold (None: bytes this process just encoded), see :func:`check_frame`."""
+    check_frame(raw, most)
+    body = np.frombuffer(raw, np.uint8, count=len(raw) - 4)  # a view, not a copy
     try:
         return numcodecs.Zstd().decode(body)
     except RuntimeError as e:
         raise CorruptChunkError(f"zstd cannot decode the chunk ({e})") from None
 
 
+def check_frame(raw: bytes, most: int | None) -> None:
+    """Check a chunk file's crc32c trailer and, unless ``most`` is None, that its zstd frame says it holds at
+    most ``most`` bytes: a file of a few hundred bytes can say gigabytes, which zstd would allocate first."""
+    if len(raw) < 5:
+        raise CorruptChunkError(f"chunk file is {len(raw)} bytes (truncated)")
+    body, trailer = np.frombuffer(raw, np.uint8, count=len(raw) - 4), raw[-4:]
+    if struct.pack("<I", google_crc32c.value(body)) != trailer:
+        raise CorruptChunkError("crc32c checksum mismatch (the chunk file is corrupted or truncated)")
+    if most is not None:
+        size = zstd_content_size(raw)
+        if size is None or size > most:
+            raise CorruptChunkError(f"its zstd frame says it holds {'an unknown number of' if size is None else size}"
+                                    f" bytes, more than the {most} a chunk of its array can hold")
+
+
+def zstd_content_size(frame: bytes) -> int | None:
+    """The content size a zstd frame's header declares (RFC 8878, 3.1.1.1), or None when it declares none
+    or is no zstd frame."""
+    if len(frame) < 6 or frame[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    descriptor = frame[4]
+    single_segment = (descriptor >> 5) & 1
+    field = (1 if single_segment else 0, 2, 4, 8)[descriptor >> 6]
+    start = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 3]  # window byte, dictionary id
+    if not field or len(frame) < start + field:
+        return None
+    return int.from_bytes(frame[start : start + field], "little") + (256 if field == 2 else 0)
+
+
+LOSSY_CODECS = (DctChopCodec, ZstdCodec, Crc32cCodec)  # a lossy array's codecs, as compress writes them
+
+
+def codecs_as_written(array: zarr.Array, recorded: dict) -> bool:
+    """Whether a lossy array's zarr.json names the codecs compress wrote, the dctchop codec with the
+    configuration of the store's record (``recorded``): an edited zarr.json would have Zarr, and readers
+    that follow it, decode the chunk files as something else."""
+    codecs = tuple(getattr(array.metadata, "codecs", ()))
+    return tuple(map(type, codecs)) == LOSSY_CODECS and codecs[0].to_dict()["configuration"] == recorded
+
+
 def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> list[dict]:
     """Everything damaged about one stored array (``info``: the store's record), found without decoding: its
-    metadata cannot be opened (missing or broken zarr.json, a codec version this dctchop cannot read), a chunk
-    file is missing, not a file, fails its crc32c or has an undecodable header, is not the file written there
-    (its size or crc32c is not the one recorded: rewritten, or another chunk's), or a per-chunk metadata
-    element is missing.
+    metadata cannot be opened (missing or broken zarr.json, a codec version this dctchop cannot read) or names
+    other codecs than the ones written, a chunk file is missing, not a file, fails its crc32c or has a header
+    that is undecodable or not of the array's chunks, is not the file written there (its size or crc32c is
+    not the one recorded: rewritten, or another chunk's), or a per-chunk metadata element is missing.
 
     Zarr would silently return the fill value for a missing chunk; a dctchop store always writes every
     chunk, so a missing one is damage. ``chunk`` is None for damage that is not one chunk's.
@@ -579,6 +619,9 @@ def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> 
         if field_name is None and (list(array.shape), list(array.chunks)) != (list(shape), list(chunks)):
             problems.append({"chunk": None, "problem": f"array metadata says shape {list(array.shape)} in chunks "
                              f"{list(array.chunks)}, the store's record {list(shape)} in {list(chunks)}"})
+        if field_name is None and not codecs_as_written(array, info["arrays"][name]["codec"]):
+            problems.append({"chunk": None, "problem": "array metadata names other codecs than the dctchop -> "
+                             "zstd -> crc32c ones the store's record says were written"})
         want = np.dtype(fields[field_name]) if field_name is not None else None
         if want is not None and (list(array.shape), np.dtype(array.dtype)) != (grid, want):
             problems.append({"chunk": None, "problem": f"metadata array {field_name} is {np.dtype(array.dtype)}"
@@ -591,7 +634,7 @@ def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> 
     for i in range(n_chunks):
         try:
             raw = root.read(keys[name](i))
-            read_header(unframe(raw))
+            read_expected_header(unframe(raw, most_coded_bytes(chunks)), chunks, info["arrays"][name]["dtype"])
             on_disk[i] = len(raw), file_checksum(raw)
         except FileNotFoundError:
             problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
@@ -711,7 +754,7 @@ def lossless_problems(root: Location, info: dict, name: str, group: zarr.Group) 
     for i in range(copy.n_chunks):
         try:
             raw = root.read(copy.chunk_file(i))
-            if len(unframe(raw)) != size:
+            if len(unframe(raw, size)) != size:
                 problems.append({"chunk": i, "problem": f"decodes to the wrong size (not {size} bytes)"})
             elif checks is not None and (problem := not_as_written(raw, {"checksum": checks["checksums"][i]})):
                 problems.append({"chunk": i, "problem": problem})

@@ -167,11 +167,11 @@ def measure(x: np.ndarray, setting: Setting, settings: ChunkSettings, peak: floa
     stored = [_stored_bytes(encode_chunk(_pad_to_chunk(x[s:e], chunks, axes), settings, threads, valid_rows=e - s))
               for s, e in ranges]
     encode_s = time.perf_counter() - started
-    decode_chunk(unframe(stored[0]), chunks, x.dtype, 1)  # compiles the kernels on a cold cache, untimed
+    decode_chunk(unframe(stored[0], None), chunks, x.dtype, 1)  # compiles the kernels on a cold cache, untimed
     best, y = math.inf, None
     for run in range(DECODE_REPEATS):
         started = time.perf_counter()
-        parts = [decode_chunk(unframe(raw), chunks, x.dtype, 1) for raw in stored]
+        parts = [decode_chunk(unframe(raw, None), chunks, x.dtype, 1) for raw in stored]
         best = min(best, time.perf_counter() - started)
         y = parts
         if run == 0 and best >= DECODE_MIN_SECONDS:

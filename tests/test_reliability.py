@@ -998,7 +998,7 @@ def test_damaged_lossless_copies_are_found(tmp_path, labelled_store, damage):
         from dctchop.store import _stored_bytes, unframe
 
         path = store / "labels" / "c" / "0" / "0"
-        path.write_bytes(_stored_bytes(unframe(path.read_bytes())[:-8]))
+        path.write_bytes(_stored_bytes(unframe(path.read_bytes(), None)[:-8]))
     else:
         (store / "labels" / "zarr.json").unlink()
     words = LOSSLESS_DAMAGE[damage]
@@ -1018,7 +1018,7 @@ def test_a_chunk_that_passes_its_checksum_but_does_not_decode_is_named(tmp_path,
 
     store = copy_store(good_store, tmp_path)
     path = chunk_path(store, 2)
-    path.write_bytes(_stored_bytes(unframe(path.read_bytes())[:-40]))  # payload cut short, crc32c recomputed
+    path.write_bytes(_stored_bytes(unframe(path.read_bytes(), None)[:-40]))  # payload cut short, crc32c recomputed
     out = tmp_path / "restored.npy"
     user_error(run("decompress", store, out), "s.zarr: array data, chunk 2:")
     assert_no_output(out)
@@ -1072,7 +1072,7 @@ def test_chunk_header_format_version_from_the_future(tmp_path, good_store):
 
     store = copy_store(good_store, tmp_path)
     path = chunk_path(store, 3)
-    raw = bytearray(unframe(path.read_bytes()))
+    raw = bytearray(unframe(path.read_bytes(), None))
     assert raw[:4] == b"DCTC" and raw[4] == 1
     raw[4] = 2
     path.write_bytes(_stored_bytes(bytes(raw)))
@@ -1398,3 +1398,146 @@ def test_internal_error(tmp_path, inputs, debug):
     else:
         one_line(p, 3, "dctchop: internal error: ", "RuntimeError", "xyzzy")
     assert_no_output(out)
+
+
+@pytest.fixture(scope="module")
+def described_store(tmp_path_factory) -> Path:
+    """A store whose record notes links, enum labels, attribute dtypes and a copy stored as bytes."""
+    d = tmp_path_factory.mktemp("described")
+    with h5py.File(d / "in.h5", "w") as f:
+        f["images"] = smooth((16, 16, 16), "uint8")
+        f["images"].attrs["scale"] = np.float32(0.5)
+        f.create_dataset("labels", data=np.arange(16, dtype=np.uint8) % 3,
+                         dtype=h5py.enum_dtype({"a": 0, "b": 1, "c": 2}, basetype="u1"))
+        f["boxes"] = np.zeros(16, dtype=[("x", "<f4"), ("y", "<i2")])
+        f["alias"] = h5py.SoftLink("/images")
+    ok(run("compress", d / "in.h5", d / "s.zarr", "--quiet"))
+    return d / "s.zarr"
+
+
+def _edit_array(key, value):
+    return lambda record: record["arrays"]["images"].__setitem__(key, value)
+
+
+# crafted records that readers used unchecked: internal errors (KeyError, TypeError), raw exceptions from
+# dctchop.open, an 80 GB attribute, or figures printed as if valid
+RECORD_DAMAGE = {
+    "unknown dtype": (_edit_array("dtype", "foo"), "dtype, axes, target or codec of array images"),
+    "codec emptied": (_edit_array("codec", {}), "dtype, axes, target or codec of array images"),
+    "target of no kind": (_edit_array("target", {"kind": "x"}), "dtype, axes, target or codec of array images"),
+    "axis beyond the shape": (_edit_array("axes", [7]), "dtype, axes, target or codec of array images"),
+    "no original bytes": (_edit_array("original_bytes", 0), "dtype, axes, target or codec of array images"),
+    "array named as the metadata group": (
+        lambda record: record["arrays"].__setitem__("dctchop_meta", record["arrays"].pop("images")), "array name"),
+    "source not described": (lambda record: record.__setitem__("source", "x"), "source"),
+    "link to nothing": (lambda record: record.__setitem__("links", [{"path": "/x", "target": "/nope", "kind": "hard"}]),
+                        "links"),
+    "links not a list": (lambda record: record.__setitem__("links", "x"), "links"),
+    "enum labels not a mapping": (lambda record: record.__setitem__("enums", {"labels": "x"}), "enums"),
+    "attribute dtype of 80 GB": (lambda record: record.__setitem__("attr_dtypes", {"/": {"s": "(100000,100000)<f8"}}),
+                                 "attr_dtypes"),
+    "bytes of no dtype": (lambda record: record.__setitem__("stored_as_bytes", {"boxes": "foo"}), "stored_as_bytes"),
+}
+
+
+@pytest.mark.parametrize("damage", [*RECORD_DAMAGE, "store format of a newer dctchop"])
+def test_a_record_readers_could_not_use_is_damage(tmp_path, described_store, damage):
+    import dctchop
+    from dctchop.errors import DctchopError
+
+    store = copy_store(described_store, tmp_path)
+    root = json.loads((store / "zarr.json").read_text())
+    record = root["attributes"]["dctchop"]
+    assert {"links", "enums", "attr_dtypes", "stored_as_bytes"} <= set(record)
+    if damage == "store format of a newer dctchop":
+        record["store_format"] = 99
+        words = ("store format 99", "formats 1 to 4", "upgrade dctchop")
+    else:
+        edit, field = RECORD_DAMAGE[damage]
+        edit(record)
+        words = ("is damaged: its dctchop attributes have a bad", field)
+    (store / "zarr.json").write_text(json.dumps(root))
+    user_error(run("inspect", store), *words)
+    out = tmp_path / "out.h5"
+    user_error(run("decompress", store, out), *words)
+    assert_no_output(out)
+    with pytest.raises(DctchopError, match=words[-1]):
+        dctchop.open(store)
+
+
+def _edit_json(path: Path, edit) -> None:
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_text(json.dumps(document))
+
+
+def test_an_array_whose_zarr_json_names_other_codecs_is_damage(tmp_path, good_store):
+    """With plain bytes for codecs inspect called the store intact, and decompress and dctchop.open failed
+    with ValueError (Zarr reshaping the chunk files' bytes)."""
+    import dctchop
+    from dctchop.errors import DctchopError
+
+    store = copy_store(good_store, tmp_path)
+    _edit_json(store / "data" / "zarr.json", lambda meta: meta.__setitem__("codecs", [{"name": "bytes"}]))
+    user_error(run("inspect", store), "array data", "names other codecs")
+    user_error(run("decompress", store, tmp_path / "out.npy"), "array data", "names other codecs")
+    with pytest.raises(DctchopError, match="names other codecs"):
+        dctchop.open(store)
+
+
+def test_a_chunk_of_another_shape_than_its_arrays_chunks_is_damage(tmp_path):
+    """A store whose record and zarr.json agree on a chunk shape its chunk files do not hold: inspect
+    parsed each header without comparing, and called the store intact."""
+    np.save(tmp_path / "x.npy", smooth((64, 16, 16), "uint8"))
+    store = tmp_path / "x.zarr"
+    ok(run("compress", tmp_path / "x.npy", store, "--quiet"))  # one chunk of 64
+    _edit_json(store / "zarr.json", lambda root: root["attributes"]["dctchop"]["arrays"]["data"].update(
+        shape=[65, 16, 16], chunks=[65, 16, 16]))
+    _edit_json(store / "data" / "zarr.json", lambda meta: (meta.__setitem__("shape", [65, 16, 16]),
+                                                           meta["chunk_grid"]["configuration"].__setitem__(
+                                                               "chunk_shape", [65, 16, 16])))
+    user_error(run("inspect", store), "chunk 0", "chunk holds uint8[64, 16, 16], expected uint8[65, 16, 16]")
+
+
+def test_decompress_refuses_a_link_to_nothing_in_a_store_that_lists_no_groups(tmp_path, described_store):
+    """Before store format 4 the record does not list groups, so a link's target is checked where it is made."""
+    store = copy_store(described_store, tmp_path)
+    _edit_json(store / "zarr.json", lambda root: root["attributes"]["dctchop"].update(
+        store_format=3, links=[{"path": "/x", "target": "/nope", "kind": "hard"}]))
+    out = tmp_path / "out.h5"
+    user_error(run("decompress", store, out), "link /x names /nope, which it does not hold")
+    assert_no_output(out)
+
+
+def _zstd_frame_claiming(size: int) -> bytes:
+    """A chunk file (zstd frame + crc32c trailer) whose frame header says it holds ``size`` bytes."""
+    import google_crc32c
+
+    body = b"\x28\xb5\x2f\xfd\xe0" + size.to_bytes(8, "little") + b"\x01\x00\x00"  # one empty last block
+    return body + google_crc32c.value(body).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("array", ["images", "labels"])
+def test_a_chunk_file_that_says_it_holds_a_terabyte_is_refused_before_anything_is_allocated(
+        tmp_path, described_store, array):
+    """zstd allocates what a frame's header says: a crafted file of 316 bytes, its size and checksum recorded
+    as a store's own, took 6.4 GB to be found damaged (a terabyte: MemoryError, an internal error)."""
+    import dctchop
+    from dctchop.errors import DctchopError
+
+    store = copy_store(described_store, tmp_path)
+    raw = _zstd_frame_claiming(1 << 40)
+    checksum = int.from_bytes(raw[-4:], "little")
+    if array == "images":
+        (store / "images" / "c.0.0.0").write_bytes(raw)
+        for key, value in (("stored_bytes", np.array(len(raw), "<i8")), ("checksum", np.array(checksum, "<u4"))):
+            (store / "dctchop_meta" / "images" / key / "c.0.0.0").write_bytes(value.tobytes())
+    else:
+        (store / "labels" / "c" / "0").write_bytes(raw)
+        _edit_json(store / "zarr.json", lambda root: root["attributes"]["dctchop"]["lossless_checks"]["labels"]
+                   .__setitem__("checksums", [checksum]))
+    words = (f"array {array}", "chunk 0", "its zstd frame says it holds 1099511627776 bytes")
+    user_error(run("inspect", store), *words)
+    user_error(run("decompress", store, tmp_path / "out.h5"), *words)
+    with pytest.raises(DctchopError, match=words[-1]):
+        dctchop.open(store)[array][:]
