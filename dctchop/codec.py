@@ -114,9 +114,9 @@ MAX_STEPS = 64**3  # a step per band of the largest block
 
 def most_coded_bytes(shape: tuple[int, ...]) -> int:
     """An upper bound on the bytes of a chunk of ``shape``: its header with a full step table (12 bytes a
-    step, with its band), and at most 4 bytes a value (float32; bit planes of int16 take 2, with a 2-byte
-    mask per run of at least 8 values)."""
-    return 4096 + 4 * MAX_NDIM + 12 * MAX_STEPS + 4 * math.prod(shape)
+    step, with its band), and at most 18 bytes a value: float32 takes 4, int16 bit planes a 2-byte mask per
+    run and up to 16 planes of a byte per 8 values or fewer (a run of one value: 18 bytes)."""
+    return 4096 + 4 * MAX_NDIM + 12 * MAX_STEPS + 18 * math.prod(shape)
 PSNR_RETRIES = 8
 PSNR_RETRY_FACTOR = 0.97
 SEARCH_SAMPLE = 1 << 16  # coefficients the PSNR step search runs on before its exact check

@@ -43,12 +43,13 @@ def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
     info = group.attrs.get("dctchop")
     if not isinstance(info, dict) or "arrays" not in info:
         raise DctchopError(f"{path} is a Zarr store but not a dctchop store (no dctchop attributes)")
+    store_format = info.get("store_format", 1)
+    if _int_list([store_format]) and store_format > STORE_FORMAT:  # before its fields, which may be new ones
+        raise DctchopError(f"store {path} is of store format {store_format}, which this dctchop does not "
+                           f"read (formats 1 to {STORE_FORMAT}); upgrade dctchop")
     damaged = _damaged_record(info)
     if damaged:
         raise DctchopError(f"store {path} is damaged: its dctchop attributes have a bad {damaged}")
-    if info.get("store_format", 1) > STORE_FORMAT:
-        raise DctchopError(f"store {path} is of store format {info['store_format']}, which this dctchop does not "
-                           f"read (formats 1 to {STORE_FORMAT}); upgrade dctchop")
     return group, info
 
 

@@ -1176,3 +1176,13 @@ def test_step_table_bad_bands_are_corrupt(pairs, n_steps):
     table = struct.pack("<dI", 0.5, len(pairs)) + b"".join(struct.pack("<Id", b, v) for b, v in pairs)
     with pytest.raises(CorruptChunkError):
         _read_step_table(table, 0, n_steps, True)
+
+
+def test_most_coded_bytes_bounds_a_chunk_of_one_block_of_noise():
+    """One block per chunk gives each band a run of one value: int16 bit planes then take up to 18 bytes a
+    value. The bound said 4, and inspect, decompress and dctchop.open called such stores damaged."""
+    from dctchop.codec import most_coded_bytes
+
+    x = np.random.default_rng(3).standard_normal((64, 64, 64)).astype(np.float32)
+    data = encode_chunk(x, ChunkSettings((0, 1, 2), (64, 64, 64), (64, 64, 64), precision="int16"))
+    assert 4 * x.size < len(data) <= most_coded_bytes(x.shape)
