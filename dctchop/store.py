@@ -26,6 +26,7 @@ import glob
 import hashlib
 import json
 import math
+import numbers
 import os
 import re
 import struct
@@ -101,12 +102,14 @@ class Target:
 
     def __post_init__(self) -> None:
         check_target(self.kind, self.value)
+        if self.kind in ("ratio", "psnr"):  # NumPy scalars too, which the record's JSON would not take
+            object.__setattr__(self, "value", float(self.value))
 
 
 def check_target(kind: str, value, option: str | None = None) -> None:
     """Refuse a ``ratio`` or ``psnr`` target no data can meet; the message names ``option`` (default
     ``--ratio``/``--psnr``), so that other commands' options taking a target say their own name."""
-    number = isinstance(value, (int, float))
+    number = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     shown = f"{value:g}" if number else repr(value)
     if kind == "ratio" and not (number and math.isfinite(value) and value >= 1):  # NaN too
         raise DctchopError(f"{option or '--ratio'} must be a finite number, at least 1, got {shown}")

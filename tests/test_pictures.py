@@ -400,6 +400,9 @@ def test_pareto_and_recommend():
     none = recommend({"input": "x.npy", "follow_external": False, "dtype": "float64", "settings": [],
                       "skipped": skipped})
     assert none["command"] is None and none["reason"] == "no setting applies: values up to 1e+300 are too large"
+    # NumPy scalars are numbers too (a70cfc9 refused them)
+    assert recommend(result, target_ratio=np.int64(6))["index"] == 5
+    assert recommend(result, target_psnr=np.float32(36))["index"] == 0
     # library callers got targets that compress refuses: a ratio below 1, a negative PSNR
     for bad, message in (({"target_ratio": 0.5}, "--target-ratio must be a finite number, at least 1, got 0.5"),
                          ({"target_psnr": -3}, "--target-psnr must be a number of dB between 0")):
