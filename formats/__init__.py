@@ -410,7 +410,8 @@ def _jsonable(value: Any) -> Any:
         except UnicodeDecodeError:
             return _DROP
     if isinstance(value, np.generic):
-        return _jsonable(value.item()) if value.dtype.kind in "biufUS" else _DROP
+        item = value.item()  # float128 stays a NumPy scalar: it has no Python type to become, nor JSON
+        return _DROP if isinstance(item, np.generic) or value.dtype.kind not in "biufUS" else _jsonable(item)
     if isinstance(value, np.ndarray):  # object arrays: h5py's variable-length strings
         return _jsonable(value.tolist()) if value.dtype.kind in "biufUSO" else _DROP
     if isinstance(value, (list, tuple)):
