@@ -110,13 +110,6 @@ DTYPE_CODES = {np.dtype(t): i for i, t in enumerate(("uint8", "uint16", "int16",
 PRECISION_CODES = {p: i for i, p in enumerate(qz.PRECISIONS)}
 MAX_NDIM = 32
 MAX_STEPS = 64**3  # a step per band of the largest block
-
-
-def most_coded_bytes(shape: tuple[int, ...]) -> int:
-    """An upper bound on the bytes of a chunk of ``shape``: its header with a full step table (12 bytes a
-    step, with its band), and at most 18 bytes a value: float32 takes 4, int16 bit planes a 2-byte mask per
-    run and up to 16 planes of a byte per 8 values or fewer (a run of one value: 18 bytes)."""
-    return 4096 + 4 * MAX_NDIM + 12 * MAX_STEPS + 18 * math.prod(shape)
 PSNR_RETRIES = 8
 PSNR_RETRY_FACTOR = 0.97
 SEARCH_SAMPLE = 1 << 16  # coefficients the PSNR step search runs on before its exact check
@@ -129,6 +122,13 @@ FLAG_BITPLANES = 1
 FLAG_STEP_TABLE = 2
 FLAG_OFFSET = 4
 FLAGS = FLAG_BITPLANES | FLAG_STEP_TABLE | FLAG_OFFSET
+
+
+def most_coded_bytes(shape: tuple[int, ...]) -> int:
+    """An upper bound on the bytes of a chunk of ``shape``: its header with a full step table (12 bytes a
+    step, with its band), and at most 18 bytes a value: float32 takes 4, int16 bit planes a 2-byte mask per
+    run and up to 16 planes of a byte per 8 values or fewer (a run of one value: 18 bytes)."""
+    return 4096 + 4 * MAX_NDIM + 12 * MAX_STEPS + 18 * math.prod(shape)
 
 
 @dataclass(frozen=True)

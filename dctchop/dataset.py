@@ -38,10 +38,8 @@ from dctchop.inspect import open_store
 from dctchop.location import Location, is_url
 from dctchop.store import (
     FILE_FIELDS,
-    LOSSY_CODECS,
     META_GROUP,
     LosslessCopy,
-    check_frame,
     chunk_file,
     chunk_metadata,
     codecs_as_written,
@@ -52,6 +50,7 @@ from dctchop.store import (
     meta_fields,
     not_as_recorded,
     not_as_written,
+    oversized_frame,
     unframe,
 )
 from dctchop.transform import channels_first_axes, resolve_threads
@@ -79,8 +78,9 @@ class _LossyArray:
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
         self.chunk_shape = tuple(array.chunks)
         self.chunk_len = self.chunk_shape[0]
-        codecs = tuple(type(c) for c in getattr(array.metadata, "codecs", ()))
-        self.direct = codecs == LOSSY_CODECS and self.chunk_shape[1:] == self.shape[1:] and root.exists(name)
+        # its codecs are the ones written (Dataset checks them: codecs_as_written)
+        self.direct = self.chunk_shape[1:] == self.shape[1:] and root.exists(name)
+        self._most_bytes = most_coded_bytes(self.chunk_shape)
         self._root = root
         self._recorded = recorded  # chunk -> its file's size and checksum as written (:func:`_recorded_files`)
 
@@ -98,7 +98,7 @@ class _LossyArray:
         if problem := not_as_written(data, self._recorded(index)):
             raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): {problem}; the store is damaged")
         try:
-            return unframe(data, most_coded_bytes(self.chunk_shape))
+            return unframe(data, self._most_bytes)
         except CorruptChunkError as e:
             raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): {e}") from None
 
@@ -163,11 +163,9 @@ class _LosslessArray:
             # a copy with no values (shape (5, 0) too) has no files
             if self.array.n_chunks and self._checksums is not None:
                 raw = self._root.read(key)
-                problem = not_as_written(raw, {"checksum": self._checksums[k]})
-                try:
-                    check_frame(raw, self._zarr_chunk_bytes)  # before Zarr allocates what the frame says
-                except CorruptChunkError as e:
-                    problem = problem or str(e)
+                # Zarr checks the crc32c; the frame's size is checked before Zarr allocates what it says
+                problem = (not_as_written(raw, {"checksum": self._checksums[k]})
+                           or oversized_frame(raw, self._zarr_chunk_bytes))
                 if problem:
                     raise CorruptChunkError(f"{where}: {problem}; the store is damaged")
             elif self._complete and self.array.n_chunks and not self._root.exists(key):

@@ -538,28 +538,28 @@ def meta_fields(info: dict) -> dict[str, str]:
 
 def unframe(raw: bytes, most: int | None) -> bytes:
     """Inverse of :func:`_stored_bytes`: check the crc32c trailer, undo zstd; CorruptChunkError if damaged.
-    ``most``: the most bytes the chunk can hold (None: bytes this process just encoded), see :func:`check_frame`."""
-    check_frame(raw, most)
-    body = np.frombuffer(raw, np.uint8, count=len(raw) - 4)  # a view, not a copy
+    ``most``: the most bytes the chunk can hold (None: bytes this process just encoded), see :func:`oversized_frame`."""
+    if len(raw) < 5:
+        raise CorruptChunkError(f"chunk file is {len(raw)} bytes (truncated)")
+    body, trailer = np.frombuffer(raw, np.uint8, count=len(raw) - 4), raw[-4:]  # a view, not a copy
+    if struct.pack("<I", google_crc32c.value(body)) != trailer:
+        raise CorruptChunkError("crc32c checksum mismatch (the chunk file is corrupted or truncated)")
+    if most is not None and (problem := oversized_frame(raw, most)):
+        raise CorruptChunkError(problem)
     try:
         return numcodecs.Zstd().decode(body)
     except RuntimeError as e:
         raise CorruptChunkError(f"zstd cannot decode the chunk ({e})") from None
 
 
-def check_frame(raw: bytes, most: int | None) -> None:
-    """Check a chunk file's crc32c trailer and, unless ``most`` is None, that its zstd frame says it holds at
-    most ``most`` bytes: a file of a few hundred bytes can say gigabytes, which zstd would allocate first."""
-    if len(raw) < 5:
-        raise CorruptChunkError(f"chunk file is {len(raw)} bytes (truncated)")
-    body, trailer = np.frombuffer(raw, np.uint8, count=len(raw) - 4), raw[-4:]
-    if struct.pack("<I", google_crc32c.value(body)) != trailer:
-        raise CorruptChunkError("crc32c checksum mismatch (the chunk file is corrupted or truncated)")
-    if most is not None:
-        size = zstd_content_size(raw)
-        if size is None or size > most:
-            raise CorruptChunkError(f"its zstd frame says it holds {'an unknown number of' if size is None else size}"
-                                    f" bytes, more than the {most} a chunk of its array can hold")
+def oversized_frame(raw: bytes, most: int) -> str | None:
+    """Why chunk file ``raw``'s zstd frame cannot be a chunk of at most ``most`` bytes, or None: checked
+    before zstd runs, which allocates what the frame says (a file of a few hundred bytes can say gigabytes)."""
+    size = zstd_content_size(raw)
+    if size is None or size > most:
+        return (f"its zstd frame says it holds {'an unknown number of' if size is None else size} bytes, more "
+                f"than the {most} a chunk of its array can hold")
+    return None
 
 
 def zstd_content_size(frame: bytes) -> int | None:
@@ -601,7 +601,8 @@ def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> 
     root zarr.json, which holds the store's record of every array: opened again for each array, checking a
     store took time growing with the square of its number of arrays (2000 arrays: minutes).
     """
-    shape, chunks, fields = info["arrays"][name]["shape"], info["arrays"][name]["chunks"], meta_fields(info)
+    entry, fields = info["arrays"][name], meta_fields(info)
+    shape, chunks = entry["shape"], entry["chunks"]
     problems = []
     keys = {}  # array path -> data chunk index -> the file holding its data or metadata element
     sizes = {}  # metadata array path -> the size of an element's file (None: several elements, compressed)
@@ -622,7 +623,7 @@ def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> 
         if field_name is None and (list(array.shape), list(array.chunks)) != (list(shape), list(chunks)):
             problems.append({"chunk": None, "problem": f"array metadata says shape {list(array.shape)} in chunks "
                              f"{list(array.chunks)}, the store's record {list(shape)} in {list(chunks)}"})
-        if field_name is None and not codecs_as_written(array, info["arrays"][name]["codec"]):
+        if field_name is None and not codecs_as_written(array, entry["codec"]):
             problems.append({"chunk": None, "problem": "array metadata names other codecs than the dctchop -> "
                              "zstd -> crc32c ones the store's record says were written"})
         want = np.dtype(fields[field_name]) if field_name is not None else None
@@ -633,11 +634,11 @@ def array_problems(root: Location, name: str, info: dict, group: zarr.Group) -> 
                  for path in (META_GROUP, f"{META_GROUP}/{name}") if (problem := node_kind(root, path)[1])]
     metadata_whole = not problems
     on_disk = {}  # chunk -> (size, checksum) of its file, for the chunks that decode
-    n_chunks = -(-shape[0] // chunks[0])
+    n_chunks, most = -(-shape[0] // chunks[0]), most_coded_bytes(chunks)
     for i in range(n_chunks):
         try:
             raw = root.read(keys[name](i))
-            read_expected_header(unframe(raw, most_coded_bytes(chunks)), chunks, info["arrays"][name]["dtype"])
+            read_expected_header(unframe(raw, most), chunks, entry["dtype"])
             on_disk[i] = len(raw), file_checksum(raw)
         except FileNotFoundError:
             problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
