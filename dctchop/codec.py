@@ -215,7 +215,7 @@ class Coefficients:
         """Each band's RMS, which decides where the integer precisions' dead zone goes
         (:func:`dctchop.quantize.rounding_offsets`); worked out on first use, as the chop precisions never
         need it."""
-        _, seg_starts, seg_bands = self.plan.order
+        seg_starts, seg_bands = self.plan.runs.seg_starts, self.plan.runs.seg_bands
         return qz.band_rms(self.values, seg_starts, seg_bands, len(self.plan.bands))
 
     @cached_property
@@ -258,7 +258,7 @@ def transform_chunk(x: np.ndarray, settings: ChunkSettings, threads: int = 1,
         centred = x - x.dtype.type(offset)
         if valid_rows is not None:
             centred[valid_rows:] = 0  # padding: zeros cost nothing to store
-    _, seg_starts, seg_bands = plan.order
+    seg_starts, seg_bands = plan.runs.seg_starts, plan.runs.seg_bands
     values = gather(forward(centred, plan, threads), plan)
     maxabs = qz.band_maxabs(values, seg_starts, seg_bands, len(plan.bands))
     if x.dtype.kind == "f":
@@ -297,7 +297,7 @@ def encode_coefficients(c: Coefficients, step: float | None) -> bytes:
 def _quantize(c: Coefficients, steps: np.ndarray, precision: str) -> np.ndarray:
     """The chunk's stored values at ``steps``; integer precisions with the dead zone in the bands it pays in
     (:func:`dctchop.quantize.rounding_offsets`)."""
-    _, seg_starts, seg_bands = c.plan.order
+    seg_starts, seg_bands = c.plan.runs.seg_starts, c.plan.runs.seg_bands
     offsets = qz.rounding_offsets(steps, c.rms) if precision in qz.INT_PRECISIONS else None
     return qz.quantize(c.values, steps, seg_starts, seg_bands, precision, offsets)
 
@@ -333,7 +333,7 @@ def _serialize(c: Coefficients, settings: ChunkSettings, steps: np.ndarray, stor
                            f"is {largest:.3g}, below its smallest normal number {tiny:.3g}; "
                            "scale the data up or use float16/int16 (scaled per band)")
     if settings.precision in qz.INT_PRECISIONS:
-        payload, flags = to_planes(stored, c.plan.order[1]), FLAG_BITPLANES
+        payload, flags = to_planes(stored, c.plan.runs.seg_starts), FLAG_BITPLANES
     elif _finite(stored, settings.precision):
         payload, flags = stored.tobytes(), 0
     else:  # what the decoder refuses is never written (float64 data far below 1 in float16 steps)
@@ -450,7 +450,7 @@ def _step_for_psnr(c: Coefficients, settings: ChunkSettings, weights, rows):
     integer = x.dtype.kind in "iu"
     target_sse = n * peak * peak / 10 ** (settings.target_psnr / 10)
     model_sse = target_sse - (n / 12 if integer else 0.0)  # leave room for rounding to integers
-    _, seg_starts, seg_bands = plan.order
+    seg_starts, seg_bands = plan.runs.seg_starts, plan.runs.seg_bands
     dropped = c.dropped
 
     precision = settings.precision
@@ -600,7 +600,7 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
         out = np.empty(channels_first_shape(shape) if channels_first else shape, dtype)
     parts = _needed_slabs(plan) if parts is None else parts
     inner_threads = threads if len(parts) == 1 else 1
-    seg_bands = plan.order[2]
+    seg_bands = plan.runs.seg_bands
 
     def run(part_list) -> None:
         buffers = {}
@@ -901,8 +901,8 @@ def read_stored(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> Stor
 
 def _checked_planes(header: ChunkHeader, plan: TransformPlan, steps: np.ndarray, payload: memoryview) -> Planes:
     """The bit planes of a chunk, refused when a run's levels could dequantize past the work dtype's range."""
-    planes = check_planes(payload, plan.order[1], qz.STORAGE_DTYPES[header.precision])
-    _refuse_overflow(planes.largest_levels * steps[plan.order[2]], header.dtype)
+    planes = check_planes(payload, plan.runs.seg_starts, qz.STORAGE_DTYPES[header.precision])
+    _refuse_overflow(planes.largest_levels * steps[plan.runs.seg_bands], header.dtype)
     return planes
 
 

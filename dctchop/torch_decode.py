@@ -144,7 +144,7 @@ def _block_groups(shape, axes, block, keep, mask) -> tuple[BlockGroup, ...]:
                                  tuple(widths), tuple(region)))
         pos += len(bands) * n_blocks
     # the storage order is defined in dctchop.transform; refuse to decode if this reading of it disagrees
-    _, seg_starts, seg_bands = plan.order
+    seg_starts, seg_bands = plan.runs.seg_starts, plan.runs.seg_bands
     bands = np.concatenate([grp.band_index for grp in groups]) if groups else np.zeros(0, np.int64)
     starts = [grp.start + i * grp.n_blocks for grp in groups for i in range(grp.n_bands)] + [pos]
     if pos != plan.n_values or not np.array_equal(bands, seg_bands) or not np.array_equal(starts, seg_starts):

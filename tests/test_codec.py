@@ -26,6 +26,7 @@ from dctchop.codec import (
     FLAG_OFFSET,
     FORMAT_VERSION,
     MAGIC,
+    SLAB_VALUES,
     ChunkDecoder,
     ChunkSettings,
     DctChopCodec,
@@ -107,7 +108,7 @@ def test_encode_decode_round_trip(opts, mask, kind):
     assert h.n_values == plan.n_values
     if opts["precision"] in qz.INT_PRECISIONS:  # integer payloads are stored as bit planes
         assert h.bitplanes
-        _, seg_starts, _ = plan.order
+        seg_starts = plan.runs.seg_starts
         itemsize = qz.STORAGE_DTYPES[opts["precision"]].itemsize
         n_runs = seg_starts.size - 1
         assert h.payload_offset + n_runs * itemsize <= len(chunk)
@@ -128,7 +129,7 @@ def test_encode_decode_round_trip(opts, mask, kind):
     else:
         assert h.steps is not None and h.steps.size == len(plan.bands) and np.all(h.steps > 0)
         per_value = np.empty(values.size)
-        _, seg_starts, seg_bands = plan.order
+        seg_starts, seg_bands = plan.runs.seg_starts, plan.runs.seg_bands
         for a, b, band in zip(seg_starts[:-1], seg_starts[1:], seg_bands):
             per_value[a:b] = h.steps[band]
         if prec == "float16":
@@ -169,7 +170,7 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
                              **({"target_psnr": 45.0} if precision.startswith("int") else {}))
     data = encode_chunk(x, settings)
     chunk = read_stored(data, shape, dtype)
-    _, seg_starts, seg_bands = chunk.plan.order
+    seg_starts, seg_bands = chunk.plan.runs.seg_starts, chunk.plan.runs.seg_bands
     per_value = np.repeat(chunk.steps[seg_bands], np.diff(seg_starts))
     wdt = work_dtype(np.dtype(dtype))
     values = (qz.numeric(chunk.stored, precision).astype(np.float64) * per_value).astype(wdt)
@@ -182,6 +183,37 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
     if axes == (1, 2, 3):  # 1 to 6 blocks of a kind per sample: pieces of runs start inside bit-plane groups
         assert any(np.any((p.first - seg_starts[:-1]) % 8) for p in parts)
     np.testing.assert_array_equal(decode_chunk(data, shape, dtype, threads), expected)
+
+
+@pytest.mark.parametrize("shape, axes, block", [
+    ((1, 600, 520, 3), (1, 2, 3), (8, 8, 3)),  # one photo: strips of block rows
+    ((1, 700, 600), (1, 2), (8, 8)),  # one 2-D field, edge blocks on both axes
+    ((260, 40, 40), (0, 1, 2), (8, 8, 8)),  # a volume: slabs of blocks of axis 0, an edge block last
+])
+def test_a_chunk_in_slabs_is_never_ordered_value_by_value(shape, axes, block, monkeypatch):
+    """The storage order of a chunk that codes in slabs is worked out per axis: encoding and decoding list
+    the positions of the slabs' values only, never of every value of the chunk (8 bytes each, and the sort
+    that made them took a 6000x6000 RGB photo 6 s and 3 GB at each new chunk shape)."""
+    from dctchop import transform
+
+    listed = []
+    real = transform._index
+
+    def index(*plan_key):
+        listed.append(plan_key[0])
+        return real(*plan_key)
+
+    monkeypatch.setattr(transform, "_index", index)
+    dtype = np.uint8 if len(shape) == 4 else np.float32
+    x = (smooth_float_field(shape=(math.prod(shape[:-2]), *shape[-2:])).reshape(shape) * 40 + 120).astype(dtype)
+    settings = ChunkSettings(axes, block, block, "square", "int16", target_psnr=40.0)
+    data, sse, _ = encode_and_measure(x, settings)
+    plan = make_plan(shape, axes, block, block)
+    assert len(transform.slabs(plan, SLAB_VALUES)) > 1
+    assert listed and shape not in listed
+    decoded = decode_chunk(data, shape, dtype)
+    assert shape not in listed
+    assert math.isclose(float(np.sum((decoded.astype(np.float64) - x) ** 2)), sse, rel_tol=1e-9)
 
 
 BAND_MAJOR_CASES = [  # chunks keeping every band decode band-major; True: the first block group goes out by
@@ -216,7 +248,7 @@ def test_band_major_slabs_decode_bit_for_bit_like_the_coefficient_image(case, ma
     x = (smooth_float_field(shape=(math.prod(shape[:-2]), *shape[-2:])).reshape(shape) * 30 + 120).astype(dtype)
     data = encode_chunk(x, ChunkSettings(axes, block, block, mask, precision="int16", target_psnr=38.0))
     chunk = read_stored(data, shape, dtype)
-    _, seg_starts, seg_bands = chunk.plan.order
+    seg_starts, seg_bands = chunk.plan.runs.seg_starts, chunk.plan.runs.seg_bands
     per_value = np.repeat(chunk.steps[seg_bands], np.diff(seg_starts))
     values = (chunk.stored.astype(np.float64) * per_value).astype(np.float32)
     expected = inverse(scatter(values, chunk.plan, np.float32), chunk.plan, dtype) + dtype(chunk.offset)
@@ -294,7 +326,7 @@ def test_bands_coarser_than_their_rms_are_quantized_with_a_dead_zone(dtype):
     x = smooth_uint8_stack(n=6, h=24, w=32).astype(dtype)
     settings = ChunkSettings(axes=(1, 2), block=(8, 8), keep=(8, 8), precision="int16", step=3.0)
     c = transform_chunk(x, settings)
-    _, seg_starts, seg_bands = c.plan.order
+    seg_starts, seg_bands = c.plan.runs.seg_starts, c.plan.runs.seg_bands
     steps = qz.choose_steps(c.maxabs, "int16", 3.0)
     offsets = qz.rounding_offsets(steps, c.rms)
     assert set(offsets) == {0.5, 0.5 - qz.DEAD_ZONE}
@@ -776,7 +808,7 @@ def test_read_header_fields():
     assert struct.unpack_from("<3I", chunk, 12) == (2, 9, 10)
     assert h.bitplanes  # int16 values are stored as bit planes
     np.testing.assert_array_equal(
-        check_planes(memoryview(chunk)[h.payload_offset :], plan.order[1], np.int16).unpack().size, h.n_values)
+        check_planes(memoryview(chunk)[h.payload_offset :], plan.runs.seg_starts, np.int16).unpack().size, h.n_values)
     unit = read_header(encode_chunk(x, ChunkSettings((1, 2), (4, 5), (3, 2))))
     assert unit.steps is None and unit.precision == "float32" and unit.mask == "square"
 

@@ -142,7 +142,7 @@ def _band_major(rng, shape=(3, 40, 36), block=8, keep=5, mask="square"):
     x = _smooth(rng, shape, 100.0) + rng.standard_normal(shape) * 3
     plan = make_plan(shape, (1, 2), block, keep, mask)
     values = compress_array(x, plan)
-    _, seg_starts, seg_bands = plan.order
+    seg_starts, seg_bands = plan.runs.seg_starts, plan.runs.seg_bands
     return x, plan, values, seg_starts, seg_bands
 
 

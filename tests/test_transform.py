@@ -206,8 +206,8 @@ def test_forward_matches_scipy_reference(case, mask, dtype):
     tol = _tolerance(x, block, dtype)
     np.testing.assert_allclose(coef.astype(np.float64), ref, rtol=0, atol=tol)
 
-    # gather picks exactly the masked set, in the order plan.order gives
-    index, seg_starts, seg_bands = plan.order
+    # gather picks exactly the masked set, in the order plan.index gives
+    index, seg_starts, seg_bands = plan.index, plan.runs.seg_starts, plan.runs.seg_bands
     assert index.size == plan.n_values == int(kept.sum())
     assert np.array_equal(np.sort(index), np.flatnonzero(kept))
     stored = gather(coef, plan)
@@ -448,7 +448,7 @@ def test_slabs_cover_the_chunk_once_and_invert_like_it(params, n_values):
     x = _hyp_data(shape, dtype, seed)
     plan = make_plan(shape, axes, block, keep, mask)
     values = compress_array(x, plan)
-    _, seg_starts, _ = plan.order
+    seg_starts = plan.runs.seg_starts
     covered, stored = np.zeros(shape, np.int64), np.zeros(plan.n_values, np.int64)
     out = np.empty(shape, x.dtype)
     for part in slabs(plan, n_values):
@@ -472,7 +472,7 @@ def test_forward_reference_property(params):
     ref, kept, _, _ = reference_forward(x, axes, block, keep, mask)
     coef = forward(x, plan)
     np.testing.assert_allclose(coef.astype(np.float64), ref, rtol=0, atol=_tolerance(x, block, dtype))
-    assert np.array_equal(np.sort(plan.order[0]), np.flatnonzero(kept))
+    assert np.array_equal(np.sort(plan.index), np.flatnonzero(kept))
 
 
 @HYP
@@ -484,7 +484,7 @@ def test_gather_and_scatter_equal_fancy_indexing(params):
     x = _hyp_data(shape, dtype, seed)
     plan = make_plan(shape, axes, block, keep, mask)
     coef = forward(x, plan)
-    index = plan.order[0]
+    index = plan.index
     values = gather(coef, plan)
     np.testing.assert_array_equal(values, coef.reshape(-1)[index])
     image = scatter(values, plan, coef.dtype)
@@ -500,7 +500,7 @@ def test_gather_and_scatter_equal_fancy_indexing(params):
 ])
 def test_placement_factors_the_storage_order(shape, axes, block, keep, mask, groups):
     plan = make_plan(shape, axes, block, keep, mask)
-    index, seg_starts, _ = plan.order
+    index, seg_starts = plan.index, plan.runs.seg_starts
     p = placement(plan)
     assert p.group_runs.size - 1 == groups and p.group_runs[-1] == seg_starts.size - 1
     for g in range(groups):
