@@ -19,7 +19,6 @@ Layout for runs of n_s values (values padded with zeros to a multiple of 8):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -248,10 +247,12 @@ class Planes:
         _unpack(self.data, self.seg_starts, self.masks, q)
         return q
 
-    @cached_property
+    @property
     def largest_levels(self) -> np.ndarray:
         """Per run, a bound on its values' magnitudes from its mask: zigzag values below 2^(p + 1), p the top
-        set plane, are at most 2^p in magnitude (0 for a run of zeros)."""
+        set plane, are at most 2^p in magnitude (0 for a run of zeros). Not a functools.cached_property: before
+        Python 3.12 that holds one lock for every instance while it computes, which a process forked meanwhile
+        (a DataLoader worker) inherits held, and hangs on at its first decode."""
         top = np.floor(np.log2(np.maximum(self.masks, 1).astype(np.float64)))
         return np.where(self.masks > 0, np.exp2(top), 0.0)
 

@@ -35,7 +35,7 @@ import zarr
 from dctchop.codec import ChunkDecoder, StoredChunk, most_coded_bytes, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError, first_line
 from dctchop.inspect import open_store
-from dctchop.location import Location, is_url
+from dctchop.location import Location, absolute_path, is_url
 from dctchop.store import (
     FILE_FIELDS,
     META_GROUP,
@@ -73,7 +73,8 @@ SPARE_ARRAYS = 2
 class _LossyArray:
     """Chunk reader for one dctchop-coded array: chunk files -> checked bytes -> decoded samples."""
 
-    def __init__(self, root: Location, name: str, array: zarr.Array, recorded: Callable[[int], dict]) -> None:
+    def __init__(self, root: Location, identity, name: str, array: zarr.Array,
+                 recorded: Callable[[int], dict]) -> None:
         self.name, self.array = name, array
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
         self.chunk_shape = tuple(array.chunks)
@@ -81,7 +82,7 @@ class _LossyArray:
         # its codecs are the ones written (Dataset checks them: codecs_as_written)
         self.direct = self.chunk_shape[1:] == self.shape[1:] and root.exists(name)
         self._most_bytes = most_coded_bytes(self.chunk_shape)
-        self._root = root
+        self._root, self._identity = root, identity  # the store as opened (:func:`_check_same_store`)
         self._recorded = recorded  # chunk -> its file's size and checksum as written (:func:`_recorded_files`)
 
     def raw(self, index: int) -> bytes:
@@ -92,10 +93,13 @@ class _LossyArray:
         try:
             data = self._root.read(key)
         except FileNotFoundError:
+            _check_same_store(self._root, self._identity)
             raise _missing_chunk(self.name, index, path) from None
         except OSError as e:
             raise DctchopError(f"array {self.name}: chunk {index} ({path}) is unreadable ({e.strerror or e})") from None
-        if problem := not_as_written(data, self._recorded(index)):
+        recorded = self._recorded(index)
+        _check_same_store(self._root, self._identity)  # the bytes and their record are the opened store's
+        if problem := not_as_written(data, recorded):
             raise CorruptChunkError(f"array {self.name}: chunk {index} ({path}): {problem}; the store is damaged")
         try:
             return unframe(data, self._most_bytes)
@@ -142,9 +146,10 @@ class _LosslessArray:
     of 16384 images for each of their 12 data chunks was 1.8 ms of a 9 ms image chunk).
     """
 
-    def __init__(self, root: Location, name: str, array: LosslessCopy, chunk_len: int, complete: bool,
+    def __init__(self, root: Location, identity, name: str, array: LosslessCopy, chunk_len: int, complete: bool,
                  checksums: list[int] | None) -> None:
         self.name, self.array = name, array
+        self._identity = identity  # the store as opened (:func:`_check_same_store`)
         self._root, self._complete = root, complete  # complete: every chunk file written (store format 3 on)
         self._checksums = checksums  # each chunk file's crc32c as written (store format 4 on)
         self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
@@ -167,16 +172,22 @@ class _LosslessArray:
                 problem = (not_as_written(raw, {"checksum": self._checksums[k]})
                            or oversized_frame(raw, self._zarr_chunk_bytes))
                 if problem:
+                    _check_same_store(self._root, self._identity)
                     raise CorruptChunkError(f"{where}: {problem}; the store is damaged")
             elif self._complete and self.array.n_chunks and not self._root.exists(key):
                 raise FileNotFoundError(key)
-            return np.asarray(self.array[k * self._zarr_len : (k + 1) * self._zarr_len] if self.shape else self.array[...])
+            values = np.asarray(self.array[k * self._zarr_len : (k + 1) * self._zarr_len] if self.shape
+                                else self.array[...])
         except FileNotFoundError:
+            _check_same_store(self._root, self._identity)
             raise _missing_chunk(self.name, k, f"{self._root}/{key}") from None
         except ValueError as e:  # zarr's crc32c codec on a corrupted file
+            _check_same_store(self._root, self._identity)
             raise CorruptChunkError(f"{where}: {first_line(e)}") from None
         except OSError as e:
             raise DctchopError(f"{where} is unreadable ({e.strerror or e})") from None
+        _check_same_store(self._root, self._identity)
+        return values
 
     def scalar(self) -> np.ndarray:
         """A scalar copy's value, checked as any chunk is (a new array)."""
@@ -225,6 +236,14 @@ def _recorded_files(root: Location, group: zarr.Group, info: dict, name: str) ->
 def _known(recorded: dict) -> dict:
     """``recorded`` without a size of 0, which Zarr reads for a missing element (its fill value): nothing known."""
     return recorded if recorded.get("stored_bytes", 1) else {}
+
+
+def _check_same_store(root: Location, identity) -> None:
+    """Refuse to go on reading a store put in the place of the one opened (``compress --overwrite`` renames a
+    new one in): its chunks pass their checks, being its own, and would be paired with what was read of the
+    old one (its labels, cached). ``identity``: :meth:`Location.identity` at open (None: not checked)."""
+    if identity is not None and root.identity() != identity:
+        raise DctchopError(f"{root} was replaced or removed since it was opened; open it again")
 
 
 def _missing_chunk(name: str, index: int, path: str) -> DctchopError:
@@ -349,8 +368,9 @@ class ArrayView:
     is still the fast way to shuffle for training.
     """
 
-    def __init__(self, reader, info: dict | None, threads: int) -> None:
+    def __init__(self, reader, info: dict | None, threads: int, dataset: Dataset) -> None:
         self._reader = reader
+        self._dataset = dataset  # what it pickles as: the dataset (by its path) and the view's name
         self.info = info or {}
         self._threads = threads
         self._cache: OrderedDict[int, _CachedChunk] = OrderedDict()  # least recently used first
@@ -547,9 +567,18 @@ class ArrayView:
         out = self[...]
         return out if dtype is None else out.astype(dtype)
 
+    def __reduce__(self):
+        """Pickles as its dataset (by path) and its name, so a map-style torch Dataset holding views works in
+        DataLoader workers started by spawn (a new view, with nothing decoded yet)."""
+        return _array_of, (self._dataset, self.name)
+
     def __repr__(self) -> str:
         kind = "lossy" if self.lossy else "lossless"
         return f"<dctchop array {self.name!r} {kind} {self.dtype}{list(self.shape)}>"
+
+
+def _array_of(dataset: Dataset, name: str) -> ArrayView:
+    return dataset.array(name)
 
 
 class Dataset:
@@ -563,8 +592,11 @@ class Dataset:
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, main: str | None = None) -> None:
-        self.path = Path(path) if not is_url(path) else os.fspath(path)
+        # absolute: a relative path would name another store after os.chdir
+        self.path = Path(absolute_path(path)) if not is_url(path) else os.fspath(path)
         self._threads = resolve_threads(threads)
+        root = Location(self.path)
+        identity = root.identity()
         group, info = open_store(self.path)
         self.info = info
         self.lossy_names = tuple(info["arrays"])
@@ -581,9 +613,9 @@ class Dataset:
             if not codecs_as_written(array, info["arrays"][name]["codec"]):
                 raise DctchopError(f"{self.path}: array {name}'s metadata names other codecs than the ones the "
                                    "store's record says were written; the store is damaged")
-            self._views[name] = ArrayView(_LossyArray(Location(self.path), name, array,
-                                                      _recorded_files(Location(self.path), group, info, name)),
-                                          info["arrays"][name], self._threads)
+            self._views[name] = ArrayView(_LossyArray(root, identity, name, array,
+                                                      _recorded_files(root, group, info, name)),
+                                          info["arrays"][name], self._threads, self)
         main = main_array(info["arrays"]) if main is None else stored_name(main, self._links, self.lossy_names)
         if main not in self.lossy_names:
             raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "
@@ -594,9 +626,10 @@ class Dataset:
             checks = lossless_checks(info, name)
             if mismatch := not_as_recorded(copy, checks):
                 raise DctchopError(f"{self.path}: array {name}: {mismatch}; the store is damaged")
-            reader = _LosslessArray(Location(self.path), name, copy, self.main.chunk_len, every_chunk_written(info),
+            reader = _LosslessArray(root, identity, name, copy, self.main.chunk_len, every_chunk_written(info),
                                     None if checks is None else checks["checksums"])
-            self._views[name] = ArrayView(reader, None, self._threads)
+            self._views[name] = ArrayView(reader, None, self._threads, self)
+        _check_same_store(root, identity)  # what was read of it at open is the opened store's
 
     def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:
         try:

@@ -416,7 +416,8 @@ class Loader:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < limit:
                 raise DctchopError(f"{what} must be in 0..{limit - 1} for {total}={limit}, got {value!r}")
         self.rank, self.worker = int(rank), int(worker)
-        self.seed, self.shuffle, self.drop_last = _integer(seed, "seed", least=0), bool(shuffle), bool(drop_last)
+        self.seed = _integer(seed, "seed", least=0)
+        self.shuffle, self.drop_last = _boolean(shuffle, "shuffle"), _boolean(drop_last, "drop_last")
         if output not in ("numpy", "torch"):
             raise DctchopError(f"output must be 'numpy' or 'torch', got {output!r}")
         self.torch = output == "torch" or device is not None
@@ -427,7 +428,7 @@ class Loader:
                 from dctchop.torch_decode import resolve_device
 
                 self.device = resolve_device(device)
-        self.device_decode = bool(device_decode) and self.device is not None
+        self.device_decode = _boolean(device_decode, "device_decode") and self.device is not None
         if layout not in LAYOUTS:
             raise DctchopError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         if dtype is not None:
@@ -471,9 +472,10 @@ class Loader:
         if arrays is None:
             names = [ds.main.name, *self._labels()[:1]]
         else:
-            names = [arrays] if isinstance(arrays, str) else list(arrays)
-            if not names:
-                raise DctchopError("arrays names no array")
+            names = [arrays] if isinstance(arrays, str) else list(arrays) if isinstance(arrays, Sequence) else None
+            if not names or not all(isinstance(name, str) for name in names):
+                raise DctchopError(f"arrays must be a name or a sequence of names of the store's arrays, got "
+                                   f"{arrays!r}")
             names = [ds.array(name).name for name in names]  # raises naming the store's arrays; "/x" is "x"
         first = next((ds.array(n) for n in names if ds.array(n).lossy), ds.main)
         n = first.shape[0]
@@ -699,7 +701,17 @@ def epoch_number(epoch) -> int:
 
 def _integer(value, name: str, least: int) -> int:
     """``value`` as an int; a :class:`DctchopError` unless it is an integer (a bool is not one) of at least
-    ``least``, 0 or 1."""
+    ``least``, 0 or 1, and below 2**63 (the loader counts in int64)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
         raise DctchopError(f"{name} must be a {'positive' if least else 'non-negative'} integer, got {value!r}")
+    if value >= 2**63:
+        raise DctchopError(f"{name} must be below 2**63, got {value!r}")
     return int(value)
+
+
+def _boolean(value, name: str) -> bool:
+    """``value`` as a bool; a :class:`DctchopError` unless it is one (numpy's too): ``shuffle="False"`` from a
+    config file or command line is true, and would be taken as such."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise DctchopError(f"{name} must be True or False, got {value!r}")
+    return bool(value)

@@ -150,6 +150,17 @@ class Location:
 
         return Path(root) if isinstance(fs, LocalFileSystem) else None
 
+    def identity(self) -> tuple[int, int] | None:
+        """What tells the store now here from one put in its place later (``compress --overwrite`` renames a
+        new one in): its directory's device and inode, for a local store; None when nothing is here, and for
+        a remote one (nothing cheap tells there)."""
+        path = self.local_path
+        try:
+            st = os.stat(path) if path is not None else None
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino) if st is not None else None
+
     @property
     def in_process(self) -> bool:
         """Whether the location lives in this process's memory (fsspec's ``memory://``), which other processes

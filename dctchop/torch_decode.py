@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import multiprocessing.context
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -42,6 +43,7 @@ from dctchop.codec import StoredChunk
 from dctchop.dataset import Dataset
 from dctchop.errors import DctchopError, first_line
 from dctchop.loader import Loader, epoch_number
+from dctchop.location import absolute_path, is_url
 from dctchop.transform import TransformPlan, dct_matrix, in_triangle, make_plan, work_dtype
 
 __all__ = ["BlockGroup", "DeviceDecoder", "DeviceStage", "StagedChunk", "TorchDataset", "block_groups",
@@ -461,7 +463,8 @@ class TorchDataset(torch.utils.data.IterableDataset):
                 raise DctchopError(f"TorchDataset does not take {name}= (workers decode on the host and "
                                    "yield torch tensors)")
         options.setdefault("threads", 1)
-        path = path if isinstance(path, Dataset) else str(path)  # a Dataset pickles by its path
+        # a Dataset pickles by its path, made absolute: the workers find the same store after an os.chdir
+        path = path if isinstance(path, Dataset) else os.fspath(path) if is_url(path) else absolute_path(path)
         self._args = dict(path=path, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                           output="torch", **options)
         Loader(**self._args)  # check every setting here, not in the workers

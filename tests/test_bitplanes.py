@@ -77,3 +77,18 @@ def test_wrong_size_is_corrupt(cut):
     damaged = payload[:cut] if cut >= 0 else payload + b"\0"
     with pytest.raises(CorruptChunkError):
         check_planes(damaged, seg, np.int8).unpack()
+
+
+def test_decoding_takes_no_lock_shared_by_every_chunk():
+    """Every chunk decode reads ``Planes.largest_levels``. As a functools.cached_property it took one lock held
+    by all instances while computing (before Python 3.12): decode threads queued on it, and a process forked
+    meanwhile (a DataLoader worker beside a loader's threads) inherited it held and hung at its first decode."""
+    import functools
+    import inspect
+
+    from dctchop.bitplanes import Planes
+
+    assert not isinstance(inspect.getattr_static(Planes, "largest_levels"), functools.cached_property)
+    planes = check_planes(to_planes(np.array([0, 5, -3, 0, 0, 0, 0, 0, 1], np.int16), np.array([0, 3, 9])),
+                          np.array([0, 3, 9]), np.int16)
+    np.testing.assert_array_equal(planes.largest_levels, [8.0, 2.0])  # zigzag 10 -> plane 3; 2 -> plane 1

@@ -802,6 +802,81 @@ def test_a_chunk_file_swapped_for_another_is_refused(image_store, tmp_path):
         dctchop.open(store)[3 * CHUNK]
 
 
+def test_a_store_replaced_under_a_reader_is_refused_not_mixed(image_store, tmp_path):
+    """``compress --overwrite`` renames a new store into the place of one a view or loader has open. Its
+    chunks pass every check (they are its own), so the old reader went on with the new images beside the
+    labels it had cached from the old store: 950 of 1000 pairs wrong, no error. Readers now check, per chunk
+    read, that the directory is still the one opened."""
+    import shutil
+
+    store = tmp_path / "s.zarr"
+    shutil.copytree(image_store, store)
+    ds = dctchop.open(store)
+    first, labels = ds[0], ds["labels"][:]
+    loader = dctchop.Loader(store, batch_size=100, shuffle=False)
+    assert sum(len(y) for _, y in loader) == N_IMAGES
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["images"] = np.zeros((N_IMAGES, 32, 32, 3), np.uint8)
+        f["labels"] = labels + 1000
+    compress(open_source(str(tmp_path / "other.h5")), store, CompressOptions(chunk_samples=CHUNK), overwrite=True)
+    replaced = f"{store} was replaced or removed since it was opened; open it again"
+    with pytest.raises(DctchopError, match=re.escape(replaced)):
+        ds[len(ds) - 1]  # a chunk not read before
+    with pytest.raises(DctchopError, match=re.escape(replaced)):
+        for _ in loader:
+            pass
+    np.testing.assert_array_equal(ds[0], first)  # what was decoded before stays the opened store's
+    assert dctchop.open(store)["labels"][0] == labels[0] + 1000  # a new view reads the new store
+    shutil.rmtree(store)
+    with pytest.raises(DctchopError, match=re.escape(replaced)):
+        ds[len(ds) // 2]
+
+
+def test_a_relative_path_stays_the_store_opened(image_store, tmp_path, monkeypatch):
+    """A store opened by a relative path is the one there at open, as with builtins.open: after os.chdir to a
+    folder holding another store of the same name, reads went to that one (and pickled views and
+    TorchDataset workers took the relative path along)."""
+    import shutil
+
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        shutil.copytree(image_store, tmp_path / d / "s.zarr")
+    (tmp_path / "b/s.zarr/images").rename(tmp_path / "b/s.zarr/gone")  # b's store cannot be read
+    monkeypatch.chdir(tmp_path / "a")
+    ds = dctchop.open("s.zarr")
+    loader = dctchop.Loader("s.zarr", batch_size=CHUNK, shuffle=False, dtype=None, layout="channels_last")
+    monkeypatch.chdir(tmp_path / "b")
+    assert ds.path == tmp_path / "a/s.zarr"
+    np.testing.assert_array_equal(ds[N_IMAGES - 1], dctchop.open(tmp_path / "a/s.zarr")[N_IMAGES - 1])
+    np.testing.assert_array_equal(next(iter(loader))[0], ds[:CHUNK])
+    assert pickle.loads(pickle.dumps(ds)).path == tmp_path / "a/s.zarr"
+
+
+def test_views_pickle_by_their_dataset_and_name(image_store):
+    """A map-style torch Dataset holding ``ds["images"]`` and ``ds["labels"]`` goes to spawned DataLoader
+    workers by pickle, which failed on the views' closures and caches (AttributeError, PicklingError)."""
+    ds = dctchop.open(image_store)
+    for name in ("images", "labels"):
+        view = ds[name]
+        copy = pickle.loads(pickle.dumps(view))
+        assert copy.name == view.name and copy is not view
+        np.testing.assert_array_equal(copy[[5, N_IMAGES - 1]], view[[5, N_IMAGES - 1]])
+
+
+@needs_torch
+def test_torch_dataset_workers_find_the_store_opened_by_a_relative_path(image_store, tmp_path, monkeypatch):
+    import shutil
+
+    import torch.utils.data
+
+    shutil.copytree(image_store, tmp_path / "s.zarr")
+    monkeypatch.chdir(tmp_path)
+    dataset = dctchop.TorchDataset("s.zarr", batch_size=CHUNK, shuffle=False)
+    monkeypatch.chdir("/")
+    batches = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0))
+    assert sum(len(y) for _, y in batches) == N_IMAGES
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"batch_size": 0}, "batch_size must be a positive integer"),
     ({"batch_size": -3}, "batch_size must be a positive integer"),
@@ -809,7 +884,13 @@ def test_a_chunk_file_swapped_for_another_is_refused(image_store, tmp_path):
     ({"batch_size": 4, "rank": True, "world_size": 2}, "rank must be in 0..1 for world_size=2, got True"),
     ({"batch_size": 4, "seed": True}, "seed must be a non-negative integer, got True"),  # was taken as seed 1
     ({"batch_size": 4, "seed": -1}, "seed must be a non-negative integer, got -1"),
+    ({"batch_size": 2**70}, r"batch_size must be below 2\*\*63, got 1180591620717411303424"),  # was an OverflowError
+    ({"batch_size": 4, "shuffle": "False"}, "shuffle must be True or False, got 'False'"),  # was taken as True
+    ({"batch_size": 4, "drop_last": "no"}, "drop_last must be True or False, got 'no'"),
+    ({"batch_size": 4, "device_decode": 0}, "device_decode must be True or False, got 0"),
     ({"batch_size": 4, "arrays": ["images", "masks"]}, "no array 'masks'; it has: images"),
+    ({"batch_size": 4, "arrays": 5}, "arrays must be a name or a sequence of names of the store's arrays, got 5"),
+    ({"batch_size": 4, "arrays": b"images"}, "arrays must be a name or a sequence of names"),  # was "no array 105"
     ({"batch_size": 4, "dtype": "int32"}, "dtype must be one of"),
     ({"batch_size": 4, "dtype": "bfloat16"}, "bfloat16 needs output='torch'"),
     ({"batch_size": 4, "mean": [1, 2]}, "mean/std need 1 or 3 values"),
