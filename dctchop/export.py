@@ -16,7 +16,7 @@ import numpy as np
 from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.formats import HDF5_SUFFIXES, NPY_SUFFIXES
 from dctchop.inspect import open_store, read_rows, require_intact
-from dctchop.location import Location, check_output_file, is_url
+from dctchop.location import Location, check_output_file, rename_new
 from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges, temporary_file
 
 
@@ -36,8 +36,6 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     """
     group, info = open_store(store)
     require_intact(store, info, group)
-    if is_url(output):
-        raise DctchopError(f"output {output} is a URL; decompress writes a local .npy or .h5 file")
     local = Location(store).local_path  # a file:// URL names the same files as its path
     if local is not None and local.resolve() in (Path(output).resolve(), *Path(output).resolve().parents):
         raise DctchopError(f"output {output} must not be the store {store} or inside it")
@@ -86,7 +84,10 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
                         raise DctchopError(f"damaged store: {store}: its link {link['path']} names {target}, "
                                            "which it does not hold")
                     h5[link["path"]] = h5py.SoftLink(target) if link["kind"] == "soft" else h5[target]
-        os.replace(tmp, output)
+        if overwrite:
+            os.replace(tmp, output)
+        else:  # never over a file another run put there meanwhile
+            rename_new(tmp, output)
     except BaseException as e:
         with contextlib.suppress(OSError):  # a read-only directory refuses even to unlink what is not there
             tmp.unlink(missing_ok=True)

@@ -35,6 +35,8 @@ def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
     if not location.exists():
         raise DctchopError(f"store {path} does not exist")
     try:
+        if location.local_path is not None:
+            _readable(location)
         group = location.open_group("r")
     except PermissionError as e:  # a store that is there but cannot be read is a store all the same
         raise DctchopError(f"store {path} cannot be read: permission denied ({e.filename or e})") from None
@@ -51,6 +53,17 @@ def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
     if damaged:
         raise DctchopError(f"store {path} is damaged: its dctchop attributes have a bad {damaged}")
     return group, info
+
+
+def _readable(location: Location) -> None:
+    """PermissionError when the store's zarr.json cannot be read. Zarr's reads of a store it may not read run
+    concurrently, and those it did not await printed "Task exception was never retrieved" at exit."""
+    try:
+        location.read("zarr.json")
+    except PermissionError:
+        raise
+    except OSError:  # none there: Zarr says what it is
+        pass
 
 
 # What every reader of a store takes from its record (the root's dctchop attributes) for each lossy array;

@@ -58,6 +58,8 @@ def check_output_file(out: str | os.PathLike, suffixes: tuple[str, ...]) -> Path
     """A local output file ``out``: named with one of ``suffixes``, in an existing directory, outside any Zarr
     store, and not a directory, device, FIFO or socket. Whether it may be replaced is the caller's to say."""
     names = suffixes[0] if len(suffixes) == 1 else f"{', '.join(suffixes[:-1])} or {suffixes[-1]}"
+    if is_url(out):
+        raise DctchopError(f"output {out} is a URL; name a local file ending in {names}")
     if os.fspath(out).endswith(("/", os.sep)):
         raise DctchopError(f"output {out} names a directory; name a file ending in {names}")
     out = Path(out)
@@ -74,23 +76,40 @@ def check_output_file(out: str | os.PathLike, suffixes: tuple[str, ...]) -> Path
     return out
 
 
-AT_FDCWD, RENAME_EXCHANGE = -100, 2  # renameat2's "relative to the working directory" and its swap flag
+# renameat2's "relative to the working directory", and its flags: fail if the target exists, swap the two
+AT_FDCWD, RENAME_NOREPLACE, RENAME_EXCHANGE = -100, 1, 2
 
 
-def exchange(a: Path, b: Path) -> bool:
-    """Swap what two local paths name in one atomic step (Linux's renameat2 with RENAME_EXCHANGE); False,
-    with nothing done, where the system or the file system has no such call."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux's renameat2 of ``a`` to ``b`` with ``flags``; False, with nothing done, where the system or the file
+    system has no such call or flag."""
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):  # not Linux, or a C library without it
         return False
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a kernel or file system that cannot swap
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a kernel or file system that cannot do it
         return False
     raise OSError(code, os.strerror(code), os.fspath(b))
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap what two local paths name in one atomic step (RENAME_EXCHANGE); False, with nothing done, where
+    the system or the file system has no such call."""
+    return _renameat2(a, b, RENAME_EXCHANGE)
+
+
+def rename_new(a: Path, b: Path) -> None:
+    """Rename ``a`` to ``b`` where nothing is (FileExistsError otherwise): never over an output another run put
+    there meanwhile. In one step where Linux allows (RENAME_NOREPLACE), else a look, then a rename."""
+    if _renameat2(a, b, RENAME_NOREPLACE):
+        return
+    if os.path.lexists(b):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(b))
+    os.rename(a, b)
 
 
 class Location:
@@ -257,24 +276,34 @@ class Location:
                 Path(path).write_bytes(data)
 
     def remove(self, check: bool = False) -> None:
-        """Remove the whole store (or a file), whichever it is; nothing when absent. A local directory's
-        removal goes as far as it can, and with ``check`` then raises the error that stopped it."""
-        if self.is_url:
+        """Remove the whole store (or a file), whichever it is; nothing when absent. A removal goes as far as it
+        can (threads of an interrupted run may still be adding files), and with ``check`` then raises the error
+        that stopped it. A ``file://`` URL is removed as its local path."""
+        local = self.local_path
+        if local is None:
             fs, path = self._fs
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
-        elif self.is_dir() and not self.path.is_symlink():
-            shutil.rmtree(self.path, ignore_errors=True)
-            if check and os.path.lexists(self.path):
-                shutil.rmtree(self.path)  # only what is left: raises the error that kept it
+            try:
+                if fs.exists(path):
+                    fs.rm(path, recursive=True)
+            except OSError:
+                if check:
+                    raise
+        elif local.is_dir() and not local.is_symlink():
+            shutil.rmtree(local, ignore_errors=True)
+            if check and os.path.lexists(local):
+                shutil.rmtree(local)  # only what is left: raises the error that kept it
         else:
-            self.path.unlink(missing_ok=True)
+            local.unlink(missing_ok=True)
 
     def rename(self, to: Location) -> None:
-        """Move the store to ``to``: atomic for a local directory; on object stores a server-side copy of each
-        file and a delete (readers may see a partial store while it runs)."""
-        if self.is_url:
-            fs, path = self._fs
-            fs.mv(path, to._key_path(""), recursive=True)
-        else:
-            os.rename(self.path, to.path)
+        """Move the store to ``to``, where nothing may be (FileExistsError): for a local directory (a ``file://``
+        URL's too) in one step; on object stores a server-side copy of each file and a delete (readers may see a
+        partial store while it runs), after a look that the place is free."""
+        here, there = self.local_path, to.local_path
+        if here is not None and there is not None:
+            rename_new(here, there)
+            return
+        fs, path = self._fs
+        if fs.exists(to._key_path("")):  # fsspec's mv would move the store into what is there
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), to.target)
+        fs.mv(path, to._key_path(""), recursive=True)

@@ -479,7 +479,11 @@ def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
     if output.is_dir() and not is_dctchop_store(output):
         raise DctchopError(f"output {output} is a directory that is not a dctchop store; refusing to replace it")
     if overwrite and local is not None and local.is_dir() and not local.is_symlink():
-        for directory, _, _ in os.walk(local):
+        def unlistable(error: OSError) -> None:  # os.walk would skip it, and whatever it holds
+            raise DctchopError(f"cannot --overwrite {output}: {error.filename} cannot be listed, so the old store "
+                               "could not be removed")
+
+        for directory, _, _ in os.walk(local, onerror=unlistable):
             if not os.access(directory, os.W_OK | os.X_OK):
                 raise DctchopError(f"cannot --overwrite {output}: {directory} is not writable, so the old store "
                                    "could not be removed")

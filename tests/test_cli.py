@@ -705,7 +705,7 @@ def test_an_output_that_is_a_link_to_nothing_exists(data, psnr45, tmp_path):
 
 
 def test_decompress_refuses_a_url_output(psnr45, tmp_path):
-    user_error(run("decompress", psnr45.store, f"file://{tmp_path}/x.h5"), "is a URL; decompress writes a local")
+    user_error(run("decompress", psnr45.store, f"file://{tmp_path}/x.h5"), "is a URL; name a local file ending in .npy, .h5 or .hdf5")
     assert os.listdir(tmp_path) == []
 
 

@@ -216,6 +216,8 @@ def test_preview_errors(stores, tmp_path, capsys):
     fails(cli(stores / "field.zarr"), 2, "--out")
     fails(cli(stores / "field.zarr", "--out", stores / "field.zarr" / "a.png"), 1, "must not be inside the Zarr store")
     fails(cli(stores / "field.zarr", "--out", f"{tmp_path}/b.png/"), 1, "names a directory")
+    for url in (f"file://{tmp_path}/u.png", "s3://bucket/u.png"):  # said "output directory s3:/bucket does not exist"
+        fails(cli(stores / "field.zarr", "--out", url), 1, f"output {url} is a URL; name a local file ending in .png")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.zarr"]
     assert not (stores / "field.zarr" / "a.png").exists()
 

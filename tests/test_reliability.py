@@ -30,6 +30,8 @@ import numpy as np
 import pytest
 import zarr
 
+from dctchop.errors import DctchopError
+
 DCTCHOP = Path(sys.executable).parent / "dctchop"
 PSNR_TOL = 0.01
 
@@ -314,16 +316,18 @@ def test_an_overwrite_whose_new_store_cannot_move_in_puts_the_old_one_back(tmp_p
     assert siblings(out) == []
 
 
-def test_overwrite_of_a_store_that_cannot_be_removed_is_refused(tmp_path, inputs, unprivileged):
-    # exit 0, and the whole old store stayed beside the new one as a hidden temporary for good
+@pytest.mark.parametrize("mode, problem", [(0o555, "is not writable"), (0o300, "cannot be listed")])
+def test_overwrite_of_a_store_that_cannot_be_removed_is_refused(tmp_path, inputs, unprivileged, mode, problem):
+    # exit 0, and the whole old store stayed beside the new one as a hidden temporary for good; a directory
+    # that could not be listed was skipped by the look before the work: exit 1 after it, the old store hidden
     out = tmp_path / "out.zarr"
     ok(run("compress", inputs / "images.npy", out, "--quiet"))
-    (out / "data").chmod(0o555)
+    (out / "data").chmod(mode)
     try:
         before = snapshot(out)
         p = subprocess.run([*unprivileged, str(DCTCHOP), "compress", str(inputs / "field.npy"), str(out),
                             "--overwrite"], capture_output=True, text=True, timeout=120, check=False)
-        user_error(p, "data is not writable")
+        user_error(p, f"data {problem}")
         assert snapshot(out) == before
         assert siblings(out) == []
     finally:
@@ -403,6 +407,49 @@ def test_existing_output_without_overwrite_is_untouched(tmp_path, inputs, kind):
     before = snapshot(out)
     user_error(run("compress", inputs / "images.npy", out), "out.zarr", "exists", "--overwrite")
     assert snapshot(out) == before
+    assert siblings(out) == []
+
+
+@pytest.mark.parametrize("as_url", [False, True])
+def test_a_store_another_run_put_there_meanwhile_is_kept(tmp_path, inputs, monkeypatch, as_url):
+    """The output is looked for before the work and the store moved in after it; a run that finished first
+    in between keeps its store. Given as a file:// URL, fsspec's mv moved the second store inside the first
+    one (both runs exited 0, the first store's inspect said damaged)."""
+    from dctchop import store
+    from dctchop.formats import open_source
+
+    out = tmp_path / "out.zarr"
+    write = store._write_store
+
+    def write_then_another_run_finishes(tmp, *args, **kwargs):
+        result = write(tmp, *args, **kwargs)
+        shutil.copytree(tmp.local_path, out)  # the other run's store, in place first
+        return result
+
+    monkeypatch.setattr(store, "_write_store", write_then_another_run_finishes)
+    with pytest.raises(DctchopError, match=r"^compress failed: File exists \(.*out.zarr\); .* was not written"):
+        store.compress(open_source(str(inputs / "images.npy")), f"file://{out}" if as_url else out)
+    assert sorted(p.name for p in out.iterdir()) == ["data", "dctchop_meta", "zarr.json"]
+    assert siblings(out) == []
+
+
+def test_decompress_never_replaces_a_file_put_there_meanwhile(tmp_path, inputs, monkeypatch):
+    """Two decompresses to one file both wrote and exited 0 without --overwrite: the file was looked for at
+    the start, then replaced at the end. Now the end's rename refuses a name that is taken."""
+    from dctchop import export
+
+    ok(run("compress", inputs / "images.npy", tmp_path / "s.zarr", "--quiet"))
+    out = tmp_path / "out.npy"
+    check_space = export._check_space
+
+    def check_then_another_run_finishes(output, nbytes):
+        check_space(output, nbytes)
+        out.write_bytes(b"the other run's")
+
+    monkeypatch.setattr(export, "_check_space", check_then_another_run_finishes)
+    with pytest.raises(DctchopError, match=r"^decompress failed: File exists; .*out.npy was not written"):
+        export.decompress(tmp_path / "s.zarr", out)
+    assert out.read_bytes() == b"the other run's"
     assert siblings(out) == []
 
 
