@@ -44,7 +44,7 @@ import operator
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -76,6 +76,9 @@ class SourceArray:
         Native byte order (big-endian inputs are reported as the native equivalent), no h5py metadata.
     attrs : dict
         JSON-serialisable attributes (numpy values converted, unconvertible ones dropped).
+    stamp : tuple of int, optional
+        The file's size and modification time when :func:`open_source` opened it: every read compares them,
+        so a file replaced or rewritten meanwhile is refused, not read in part (a store of two files' rows).
     """
 
     file: str
@@ -83,6 +86,7 @@ class SourceArray:
     shape: tuple[int, ...]
     dtype: np.dtype
     attrs: dict = field(default_factory=dict)
+    stamp: tuple[int, ...] | None = None
 
     def __hash__(self) -> int:  # attrs is a dict: hash the identifying fields only
         return hash((self.file, self.name, self.shape, self.dtype))
@@ -122,6 +126,9 @@ class SourceArray:
             from dctchop.formats import hdf5
 
             out = hdf5.read_hdf5(self.file, self.name, self.dtype, self.shape, start, stop)
+        if self.stamp is not None and _stamp(self.file) != tuple(self.stamp):  # after: what was read is the file's
+            raise DctchopError(f"{self.file}: changed since it was opened (replaced, rewritten or removed); "
+                               "run again")
         return out
 
 
@@ -223,14 +230,15 @@ def open_source(
     suffix = _suffix(file)
     datasets = _as_names(datasets, "datasets")
     lossless = _as_names(lossless, "lossless")
+    stamp = _stamp(file)  # before: a change while it is opened shows at the first read
     if suffix in NPY_SUFFIXES:
         from dctchop.formats import npy
 
-        return npy.open_npy(file, datasets, lossless)
+        return _stamped(npy.open_npy(file, datasets, lossless), stamp)
     if suffix in HDF5_SUFFIXES:
         from dctchop.formats import hdf5
 
-        return hdf5.open_hdf5(file, datasets, lossless, follow_external)
+        return _stamped(hdf5.open_hdf5(file, datasets, lossless, follow_external), stamp)
     raise DctchopError(
         f"{file}: unsupported file type {suffix or '(no suffix)'!r}; expected one of "
         + ", ".join(NPY_SUFFIXES + HDF5_SUFFIXES)
@@ -243,6 +251,23 @@ def open_source(
 
 _HANDLES: dict[tuple[int, str], tuple[tuple | None, Any]] = {}  # (pid, path) -> (file identity, handle)
 _HANDLES_LOCK = threading.RLock()
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    """What tells a file from another put in its place, or from itself rewritten, the same on every machine of
+    a Dask cluster (whose file systems may number inodes otherwise): its size and modification time; None
+    when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _stamped(source: Source, stamp: tuple[int, int] | None) -> Source:
+    """``source`` with ``stamp`` on each of its arrays."""
+    return replace(source, lossy=tuple(replace(a, stamp=stamp) for a in source.lossy),
+                   lossless=tuple(replace(a, stamp=stamp) for a in source.lossless))
 
 
 def _identity(path: str) -> tuple | None:

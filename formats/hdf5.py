@@ -262,13 +262,23 @@ def _leaves_file(ds, file: str, follow_external: bool) -> str | None:
     outside: list[str] = []
     missing: list[str] = []
     if ds.is_virtual:
+        absent = []  # source datasets that are not there: read as fill values too
         for vmap in ds.virtual_sources():
             name = vmap.file_name
             if name == "." or _same_file(os.path.join(here, name), ds.file.filename):
+                if vmap.dset_name not in ds.file:
+                    absent.append(vmap.dset_name)
                 continue
             outside.append(name)
-            if "%" not in name and not any(os.path.isfile(p) for p in (name, os.path.join(here, name))):
+            path = next((p for p in (name, os.path.join(here, name)) if os.path.isfile(p)), None)
+            if "%" in name:  # a printf-style pattern of file names: HDF5 reads what it finds
+                continue
+            if path is None:
                 missing.append(name)
+            elif follow_external and not _holds(path, vmap.dset_name):
+                absent.append(f"{name}:{vmap.dset_name}")
+        if absent:
+            return f"is a virtual dataset whose sources are missing ({', '.join(sorted(set(absent)))})"
         kind = "virtual dataset with sources in"
     else:
         ext = ds.external or ()
@@ -286,6 +296,16 @@ def _leaves_file(ds, file: str, follow_external: bool) -> str | None:
     if missing:
         return f"is a {kind} missing files ({', '.join(sorted(set(missing)))})"
     return None
+
+
+def _holds(path: str, name: str) -> bool:
+    """Whether the HDF5 file ``path`` has a dataset ``name`` (False when it cannot be read as HDF5)."""
+    h5py = _h5py()
+    try:
+        with h5py.File(path, "r") as f:
+            return isinstance(f.get(name), h5py.Dataset)
+    except OSError:
+        return False
 
 
 class _NotFound(DctchopError):

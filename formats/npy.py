@@ -24,6 +24,9 @@ from dctchop.formats import Source, SourceArray, cached_handle, close_all, nativ
 __all__ = ["open_npy", "read_header", "read_npy"]
 
 STORED_NAME = "data"  # the array's name in a store made from an .npy file, whatever the file is called
+# numpy parses headers up to 10,000 bytes unless told otherwise (a guard for np.load of untrusted files); format
+# 2.0 and 3.0 allow 4 GiB, and a writer that pads its header to a size of its own is within the format
+MAX_HEADER_BYTES = 1 << 20
 
 
 def read_header(file: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
@@ -47,9 +50,9 @@ def read_header(file: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
                 raise DctchopError(f"{file}: not a valid .npy file ({first_line(exc)})") from None
             try:
                 if version == (1, 0):
-                    shape, fortran, dtype = fmt.read_array_header_1_0(fh)
+                    shape, fortran, dtype = fmt.read_array_header_1_0(fh, max_header_size=MAX_HEADER_BYTES)
                 elif version == (2, 0):
-                    shape, fortran, dtype = fmt.read_array_header_2_0(fh)
+                    shape, fortran, dtype = fmt.read_array_header_2_0(fh, max_header_size=MAX_HEADER_BYTES)
                 elif version == (3, 0):
                     shape, fortran, dtype = _read_header_3_0(fh, file)
                 else:
@@ -92,7 +95,7 @@ def _read_header_3_0(fh, file):
             reader = _format_impl._read_array_header
         except (ImportError, AttributeError):
             raise DctchopError(f"{file}: .npy format version 3.0 is not supported by this numpy") from None
-    return reader(fh, (3, 0))
+    return reader(fh, (3, 0), max_header_size=MAX_HEADER_BYTES)
 
 
 def open_npy(file: str, datasets=(), lossless=()) -> Source:
@@ -121,7 +124,7 @@ def open_npy(file: str, datasets=(), lossless=()) -> Source:
 
 
 def _open_map(file: str) -> np.ndarray:
-    return np.load(file, mmap_mode="r", allow_pickle=False)
+    return np.load(file, mmap_mode="r", allow_pickle=False, max_header_size=MAX_HEADER_BYTES)
 
 
 def _load(file: str) -> np.ndarray:

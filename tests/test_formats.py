@@ -183,6 +183,54 @@ def test_npy_truncated(tmp_path):
     assert str(path) in str(info.value)
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_npy_with_a_padded_header_beyond_numpys_default(tmp_path, version):
+    """A header padded to 20 KB (the format allows up to 64 KB in 1.0, 4 GiB in 2.0) was called damaged:
+    numpy parses 10,000 bytes unless told more."""
+    import struct
+
+    a = np.arange(2048, dtype=np.float32).reshape(8, 16, 16)
+    text = "{'descr': '<f4', 'fortran_order': False, 'shape': (8, 16, 16), }"
+    prefix, size = (b"\x93NUMPY\x01\x00", "<H") if version == 1 else (b"\x93NUMPY\x02\x00", "<I")
+    header = text + " " * (20032 - len(text) - len(prefix) - struct.calcsize(size) - 1) + "\n"
+    path = tmp_path / "padded.npy"
+    path.write_bytes(prefix + struct.pack(size, len(header)) + header.encode() + a.tobytes())
+    (array,) = open_source(path).lossy
+    np.testing.assert_array_equal(array.read(), a)
+
+
+@pytest.mark.parametrize("kind", ["npy", "npy-fortran", "h5"])
+@pytest.mark.parametrize("how", ["replaced", "rewritten"])
+def test_an_input_changed_while_being_read_is_refused(tmp_path, how, kind):
+    """The rows are read slab by slab: a file moved into the input's place during a compress gave a store
+    of 18 chunks of one .npy and 7 of the other, exit 0 (an HDF5 file's handle is opened afresh for a new
+    file at its path, so it too). Each read compares the file's size and mtime with those at open."""
+    path = tmp_path / f"in.{kind[:3]}"
+    first = np.arange(400, dtype=np.float32).reshape(40, 10)
+
+    def write(x, to):
+        if kind == "h5":
+            with h5py.File(to, "w") as f:
+                f["x"] = x
+        else:
+            np.save(to, np.asfortranarray(x) if kind == "npy-fortran" else x)
+
+    write(first, path)
+    (array,) = open_source(path).lossy
+    np.testing.assert_array_equal(array.read(0, 4), first[:4])
+    other = tmp_path / f"other.{kind[:3]}"
+    write(3 - first, other)  # the same shape, dtype and size
+    os.utime(other, ns=(10, 10))  # another modification time, whatever the clock's resolution
+    if how == "replaced":
+        os.replace(other, path)
+    else:
+        path.write_bytes(other.read_bytes())
+        os.utime(path, ns=(20, 20))
+    with pytest.raises(DctchopError, match=r"in.(npy|h5): changed since it was opened \(replaced, rewritten or "):
+        array.read(4, 8)
+    close_all(path)
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -388,7 +436,10 @@ def test_a_file_rewritten_at_the_same_path_is_read_afresh(tmp_path, kind):
     np.testing.assert_array_equal(a.read(0, 2), 1)
     write(2, tmp_path / "new")
     os.replace(tmp_path / ("new.npy" if kind != "h5" else "new"), path)
-    np.testing.assert_array_equal(a.read(0, 2), 2)
+    (b,) = open_source(path).lossy  # the next compress
+    np.testing.assert_array_equal(b.read(0, 2), 2)
+    with pytest.raises(DctchopError, match="changed since it was opened"):  # the first one, not yet done
+        a.read(2, 4)
     close_all(path)
 
 
@@ -772,6 +823,25 @@ def test_virtual_dataset(tmp_path):
     os.remove(src_file)  # a VDS reads missing sources as fill values: must be an error, not zeros
     with pytest.raises(DctchopError, match="missing files"):
         open_source(path, datasets=["v"], follow_external=True)
+
+
+def test_virtual_dataset_whose_source_dataset_is_missing(tmp_path):
+    """A source dataset that is not there reads as fill values as silently as a missing source file: a
+    store of zeros, 'PSNR inf', and inspect --verify agreeing (the VDS reads zeros too)."""
+    with h5py.File(tmp_path / "part.h5", "w") as f:
+        f["p"] = np.arange(12.0).reshape(3, 4)
+    path = tmp_path / "vds.h5"
+    with h5py.File(path, "w") as f:
+        f["local"] = np.arange(8.0).reshape(2, 4)
+        for name, source in (("typo", h5py.VirtualSource(".", "locall", shape=(2, 4))),
+                             ("other", h5py.VirtualSource("part.h5", "q", shape=(3, 4)))):
+            layout = h5py.VirtualLayout(shape=source.shape, dtype="f8")
+            layout[:] = source
+            f.create_virtual_dataset(name, layout)
+    with pytest.raises(DctchopError, match=r"/typo is a virtual dataset whose sources are missing \(locall\)"):
+        open_source(path, datasets=["typo"])
+    with pytest.raises(DctchopError, match=r"/other is a virtual dataset whose sources are missing \(part.h5:q\)"):
+        open_source(path, datasets=["other"], follow_external=True)
 
 
 # --------------------------------------------------------------------------------------------------------
