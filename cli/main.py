@@ -287,7 +287,7 @@ def decompress(store, output, overwrite):
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A library's warning (zarr's about a data type without a Zarr v3 specification, say) as one line on
     stderr, its first sentence, like the CLI's other messages; ``--debug`` shows Python's own form."""
-    click.echo(f"dctchop: warning: {str(message).split('. ')[0].rstrip('.')}", err=True)
+    click.echo(f"dctchop: warning: {_one_line(str(message).split('. ')[0].rstrip('.'))}", err=True)
 
 
 @contextlib.contextmanager
@@ -296,6 +296,11 @@ def _one_line_warnings(debug: bool):
         if not debug:
             warnings.showwarning = _one_line_warning
         yield
+
+
+def _one_line(message: str) -> str:
+    """``message`` with its line breaks written as ``\\n``: it may quote names with one (HDF5 allows them)."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -316,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("dctchop: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except DctchopError as e:
-        click.echo(f"dctchop: error: {e}", err=True)
+        click.echo(f"dctchop: error: {_one_line(str(e))}", err=True)
         sys.exit(EXIT_USER)
     except KeyboardInterrupt:
         click.echo("dctchop: interrupted", err=True)

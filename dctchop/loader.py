@@ -34,6 +34,7 @@ and device work, in batch order.
 
 from __future__ import annotations
 
+import math
 import posixpath
 import sys
 import threading
@@ -487,7 +488,7 @@ class Loader:
             if view.lossy and view.chunk_len != first.chunk_len:
                 raise DctchopError(f"array {name} is chunked by {view.chunk_len} samples, {first.name} by "
                                    f"{first.chunk_len}; the loader needs them aligned: compress them with "
-                                   f"--chunk-samples {first.chunk_len}")
+                                   f"--chunk-samples {_common_chunk_len(first, view)}")
         return names
 
     def _labels(self) -> list[str]:
@@ -697,6 +698,15 @@ class Loader:
 def epoch_number(epoch) -> int:
     """``epoch`` as an int; a :class:`DctchopError` unless it is a non-negative integer."""
     return _integer(epoch, "epoch", least=0)
+
+
+def _common_chunk_len(*views) -> int:
+    """A chunk length that ``--chunk-samples`` takes for every one of the arrays ``views``: the first one's,
+    rounded up to a whole number of blocks of each array transformed along axis 0 (compress aligns only
+    arrays not transformed along it; a field in blocks of 8 refused the 34 of an image stack)."""
+    codecs = [v.info["codec"] for v in views]
+    unit = math.lcm(1, *(c["block"][c["axes"].index(0)] for c in codecs if 0 in c["axes"]))
+    return -(-views[0].chunk_len // unit) * unit
 
 
 def _integer(value, name: str, least: int) -> int:

@@ -202,20 +202,36 @@ def align_chunks(plans: list[ArrayPlan]) -> None:
 
 
 def plan_array(source: Source, array: SourceArray, options: CompressOptions) -> ArrayPlan:
-    """Check one array against the options and decide its transform, chunking and codec settings."""
+    """Check one array against the options and decide its transform, chunking and codec settings. Errors
+    name the array: in an HDF5 file of several, "--keep needs one value or one per transformed axis (3)"
+    left the user to guess which."""
     name = array_name(source, array)
-    check_dtype(array.dtype, name, f"; copy it bit-exactly with --lossless {name}" if source.kind == "hdf5" else "")
+    try:
+        return _plan_array(source, array, options, name)
+    except DctchopError as e:
+        if str(e).startswith(f"{name}: "):
+            raise
+        raise DctchopError(f"{name}: {e}") from None
+
+
+def _plan_array(source: Source, array: SourceArray, options: CompressOptions, name: str) -> ArrayPlan:
+    way_out = f"copy it bit-exactly with --lossless {name}" if source.kind == "hdf5" else ""
+    check_dtype(array.dtype, name, way_out and f"; {way_out}")
     if 0 in array.shape:
         raise DctchopError(f"{name}: array is empty (shape {list(array.shape)})")
     colour = None
     if options.axes is not None:
         axes, layout = check_axes(options.axes, array.ndim, f"{name}: axes {list(options.axes)}"), "custom"
     else:
-        axes, layout = infer_axes(array.shape, array.dtype)
+        try:
+            axes, layout = infer_axes(array.shape, array.dtype)
+        except DctchopError as e:
+            raise DctchopError(f"{name}: {e}{way_out and f', or {way_out}'}") from None
         colour = colour_axis(array.shape, layout)
     for a in axes:
         if array.shape[a] < 2:
-            raise DctchopError(f"{name}: transformed axis {a} has length {array.shape[a]}; pick other --axes")
+            raise DctchopError(f"{name}: transformed axis {a} has length {array.shape[a]}; pick other --axes"
+                               f"{way_out and f', or {way_out}'}")
     target = options.target or default_target(array.dtype)
     block = per_axis(options.block, len(axes), "--block")
     check_blocks(block)  # before the chunking divides by it
@@ -1051,7 +1067,8 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     if not plans:
         why = (f"every array is copied losslessly: {', '.join(array_name(source, a) for a in source.lossless)}"
                if source.lossless else "no numeric array with 2 or more dimensions")
-        raise DctchopError(f"{source.path}: nothing to compress lossily ({why}); name one with --dataset")
+        how = "leave out --lossless to compress it" if source.kind == "npy" else "name one with --dataset"
+        raise DctchopError(f"{source.path}: nothing to compress lossily ({why}); {how}")
     align_chunks(plans)
     workers = resolve_threads(options.workers)
     remove_stale_temporaries(output)

@@ -716,9 +716,16 @@ def test_compress_refuses_an_output_inside_a_store_and_says_why_nothing_is_lossy
     user_error(run("compress", data.field_npy, store / "inner.zarr"), "must not be inside the Zarr store")
     assert snapshot(store) == before
     user_error(run("compress", data.field_npy, tmp_path / "b.zarr", "--lossless", "field"),
-               "nothing to compress lossily (every array is copied losslessly: data)")
+               "nothing to compress lossily (every array is copied losslessly: data); leave out --lossless")
     user_error(run("compress", data.field_npy, tmp_path / "c.zarr", "--mask", "triangle", "--psnr", "90"),
                "above what this data allows with int16 and the triangle mask")
+
+
+def test_an_error_quoting_a_name_with_a_line_break_is_still_one_line(tmp_path):
+    """HDF5 names may hold a line break; the list of names in "no dataset ..." printed it as it is."""
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["two\nlines"] = np.zeros((4, 16, 16), np.uint8)
+    user_error(run("compress", tmp_path / "in.h5", tmp_path / "o.zarr", "--dataset", "nope"), "two\\nlines")
 
 
 def test_failed_compress_unreachable_ratio_leaves_nothing(data, tmp_path):

@@ -241,6 +241,23 @@ def test_arrays_of_the_same_samples_are_chunked_alike_and_load_together(tmp_path
     assert x.shape == (500, 3, 32, 32) and depth.shape == (500, 32, 32) and masks.shape == (500, 32, 32)
 
 
+def test_arrays_chunked_otherwise_are_refused_with_a_chunk_length_that_suits_both(tmp_path):
+    """A field transformed along its samples (blocks of 8 there) is not aligned with an image stack; the
+    loader's advice was the images' chunk length, 34 here, which compress then refused for the field."""
+    rng = np.random.default_rng(6)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"] = rng.integers(0, 256, (100, 200, 200, 3), dtype=np.uint8)
+        f["field"] = rng.random((100, 128, 128), dtype=np.float32)
+    compress(open_source(str(tmp_path / "in.h5")), tmp_path / "s.zarr", CompressOptions(target=Target("psnr", 20)))
+    ds = dctchop.open(tmp_path / "s.zarr")
+    assert ds["images"].chunk_len == 34 and 0 in ds["field"].info["axes"]
+    with pytest.raises(DctchopError, match="compress them with --chunk-samples 40$"):
+        dctchop.Loader(ds, batch_size=4, arrays=["images", "field"])
+    compress(open_source(str(tmp_path / "in.h5")), tmp_path / "s.zarr",
+             CompressOptions(target=Target("psnr", 20), chunk_samples=40), overwrite=True)
+    assert len(dctchop.Loader(tmp_path / "s.zarr", batch_size=4, arrays=["images", "field"])) == 25
+
+
 def test_open_refuses_what_is_not_a_store(tmp_path):
     with pytest.raises(DctchopError, match="does not exist"):
         dctchop.open(tmp_path / "missing.zarr")

@@ -153,6 +153,27 @@ def test_encoding_and_writing_overlap_within_bounds(monkeypatch, workers):
     assert stages.most_encoding <= workers
 
 
+@pytest.mark.parametrize("datasets, options, message", [
+    ({"ens": (2, 5, 6, 7, 8)}, {},
+     ("ens: cannot infer which axes to transform for shape [2, 5, 6, 7, 8]; pass --axes, or copy it bit-exactly "
+     "with --lossless ens")),
+    ({"col": (500, 1)}, {},
+     "col: transformed axis 1 has length 1; pick other --axes, or copy it bit-exactly with --lossless col"),
+    ({"field": (16, 16, 16)}, {"target": Target("keep", (4, 4))},
+     "field: --keep needs one value or one per transformed axis (3), got 2"),  # it named no array
+    ({"field": (16, 16, 16)}, {"block": (8, 8)}, "field: --block needs one value or one per transformed axis (3)"),
+])
+def test_an_array_that_cannot_be_planned_is_named(tmp_path, datasets, options, message):
+    """Beside an image stack that plans well, the message names the array at fault and, in an HDF5 file, the
+    way to keep it anyway (--axes applies to every array)."""
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["images"] = np.zeros((50, 32, 32), np.uint8)
+        for name, shape in datasets.items():
+            f[name] = np.zeros(shape, np.float32)
+    with pytest.raises(DctchopError, match=f"^{re.escape(message)}"):
+        compress(open_source(str(tmp_path / "in.h5")), tmp_path / "o.zarr", CompressOptions(**options))
+
+
 def test_an_encode_error_stops_the_pipeline(monkeypatch):
     stages = _Stages(monkeypatch, bad_chunk=5)
     with pytest.raises(DctchopError, match="chunk 5"):
