@@ -15,12 +15,13 @@ whole process: numba code of the caller compiled after dctchop is imported gets 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
 
 import numba
-from numba.core import codegen, config
+from numba.core import caching, codegen, config
 from numba.core.compiler_lock import global_compiler_lock
 
 __all__ = ["numba"]
@@ -67,6 +68,21 @@ def _private_directory(path: str) -> str:
     return tempfile.mkdtemp(prefix="dctchop-numba-")
 
 
+def _cache_failures_cost_a_compile() -> None:
+    """numba saves each kernel it compiles to its cache, and a failed save (a full disk, a quota or a file size
+    limit where the package is installed) failed whatever needed the kernel: sweep and preview with an
+    internal error, compress and decompress blaming their output. The kernel is compiled all the same; a
+    failed save now means only that the next run compiles it again. (numba writes each cache file whole, to a
+    temporary name first, so a failed save leaves no half file to load.)"""
+    save = caching.Cache.save_overload
+
+    def save_overload(self, sig, data) -> None:
+        with contextlib.suppress(OSError):
+            save(self, sig, data)
+
+    caching.Cache.save_overload = save_overload
+
+
 def _fork_between_compilations() -> None:
     """numba holds one lock while it compiles or loads a kernel from its cache. A fork at that moment (a
     torch DataLoader starting its workers while another thread decodes a first chunk) gave the child the lock
@@ -78,4 +94,5 @@ def _fork_between_compilations() -> None:
 
 _prefer_512_bit_vectors()
 _cache_somewhere()
+_cache_failures_cost_a_compile()
 _fork_between_compilations()

@@ -123,3 +123,29 @@ def test_a_fork_while_another_thread_compiles_leaves_the_child_numba_s_lock():
     run = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", FORK_WHILE_COMPILING],
                          check=False, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
+
+
+CACHE_CANNOT_BE_WRITTEN = """
+import errno, sys
+from numba.core import caching
+import dctchop.jit
+
+def full(self, sig, data):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+caching.Cache._save_overload = full  # as a full disk, a quota or ulimit -f make numba's save fail
+sys.path.insert(0, sys.argv[1])
+import kernel
+print(kernel.plus_one(41))
+"""
+
+
+def test_a_kernel_whose_cache_cannot_be_written_still_runs(tmp_path):
+    """A full disk where numba keeps its cache (beside the installed package) failed every command that
+    compiled a kernel: sweep and preview with an internal error, compress and decompress blaming their
+    output, which had room."""
+    (tmp_path / "kernel.py").write_text("from dctchop.jit import numba\n\n\n@numba.njit(cache=True)\n"
+                                        "def plus_one(x):\n    return x + 1\n")
+    run = subprocess.run([sys.executable, "-c", CACHE_CANNOT_BE_WRITTEN, str(tmp_path)], capture_output=True,
+                         text=True, check=False)
+    assert run.returncode == 0 and run.stdout.strip() == "42", run.stderr
