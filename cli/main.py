@@ -298,9 +298,13 @@ def _one_line_warnings(debug: bool):
         yield
 
 
+LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines splits at
+
+
 def _one_line(message: str) -> str:
-    """``message`` with its line breaks written as ``\\n``: it may quote names with one (HDF5 allows them)."""
-    return message.replace("\r", "\\r").replace("\n", "\\n")
+    """``message`` with its line breaks written as escapes (``\\n``): it may quote names with one (HDF5
+    allows them)."""
+    return "".join(ascii(c)[1:-1] if c in LINE_BREAKS else c for c in message)
 
 
 def main(argv: list[str] | None = None) -> None:

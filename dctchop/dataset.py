@@ -114,6 +114,7 @@ class _LossyArray:
         start, stop = _chunk_bounds(index, self.chunk_len, self.shape[0])
         if not self.direct:
             x = np.asarray(self.array[start:stop])
+            _check_same_store(self._root, self._identity)
             return np.ascontiguousarray(x.transpose(channels_first_axes(x.ndim))) if channels_first else x
         return self.decoder(index).decode(out=out, channels_first=channels_first, rows=range(stop - start))[
             : stop - start]
@@ -243,7 +244,7 @@ def _check_same_store(root: Location, identity) -> None:
     new one in): its chunks pass their checks, being its own, and would be paired with what was read of the
     old one (its labels, cached). ``identity``: :meth:`Location.identity` at open (None: not checked)."""
     if identity is not None and root.identity() != identity:
-        raise DctchopError(f"{root} was replaced or removed since it was opened; open it again")
+        raise DctchopError(f"{root} was replaced, removed or changed since it was opened; open it again")
 
 
 def _missing_chunk(name: str, index: int, path: str) -> DctchopError:
@@ -368,9 +369,9 @@ class ArrayView:
     is still the fast way to shuffle for training.
     """
 
-    def __init__(self, reader, info: dict | None, threads: int, dataset: Dataset) -> None:
+    def __init__(self, reader, info: dict | None, threads: int, path) -> None:
         self._reader = reader
-        self._dataset = dataset  # what it pickles as: the dataset (by its path) and the view's name
+        self._path = path  # its store's, which it pickles as with its name (no reference to the Dataset: a cycle)
         self.info = info or {}
         self._threads = threads
         self._cache: OrderedDict[int, _CachedChunk] = OrderedDict()  # least recently used first
@@ -570,15 +571,15 @@ class ArrayView:
     def __reduce__(self):
         """Pickles as its dataset (by path) and its name, so a map-style torch Dataset holding views works in
         DataLoader workers started by spawn (a new view, with nothing decoded yet)."""
-        return _array_of, (self._dataset, self.name)
+        return _array_of, (self._path, self._threads, self.name)
 
     def __repr__(self) -> str:
         kind = "lossy" if self.lossy else "lossless"
         return f"<dctchop array {self.name!r} {kind} {self.dtype}{list(self.shape)}>"
 
 
-def _array_of(dataset: Dataset, name: str) -> ArrayView:
-    return dataset.array(name)
+def _array_of(path, threads: int, name: str) -> ArrayView:
+    return Dataset(path, threads).array(name)
 
 
 class Dataset:
@@ -615,7 +616,7 @@ class Dataset:
                                    "store's record says were written; the store is damaged")
             self._views[name] = ArrayView(_LossyArray(root, identity, name, array,
                                                       _recorded_files(root, group, info, name)),
-                                          info["arrays"][name], self._threads, self)
+                                          info["arrays"][name], self._threads, self.path)
         main = main_array(info["arrays"]) if main is None else stored_name(main, self._links, self.lossy_names)
         if main not in self.lossy_names:
             raise DctchopError(f"{self.path} has no compressed array {main!r} to be the main one; it has: "
@@ -628,7 +629,7 @@ class Dataset:
                 raise DctchopError(f"{self.path}: array {name}: {mismatch}; the store is damaged")
             reader = _LosslessArray(root, identity, name, copy, self.main.chunk_len, every_chunk_written(info),
                                     None if checks is None else checks["checksums"])
-            self._views[name] = ArrayView(reader, None, self._threads, self)
+            self._views[name] = ArrayView(reader, None, self._threads, self.path)
         _check_same_store(root, identity)  # what was read of it at open is the opened store's
 
     def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:

@@ -72,13 +72,18 @@ def _cache_failures_cost_a_compile() -> None:
     """numba saves each kernel it compiles to its cache, and a failed save (a full disk, a quota or a file size
     limit where the package is installed) failed whatever needed the kernel: sweep and preview with an
     internal error, compress and decompress blaming their output. The kernel is compiled all the same; a
-    failed save now means only that the next run compiles it again. (numba writes each cache file whole, to a
-    temporary name first, so a failed save leaves no half file to load.)"""
+    failed save now removes the kernel's cache index, so the next run compiles it again: numba writes the
+    index first, and after a change of the source it names a data file an older kernel may still be in. (It
+    writes each file whole under a temporary name, so no half file is left to load.) The wrapper serves every
+    numba kernel of the process, the caller's too."""
     save = caching.Cache.save_overload
 
     def save_overload(self, sig, data) -> None:
-        with contextlib.suppress(OSError):
+        try:
             save(self, sig, data)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(self._cache_file._index_path)
 
     caching.Cache.save_overload = save_overload
 

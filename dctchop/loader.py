@@ -473,7 +473,7 @@ class Loader:
         if arrays is None:
             names = [ds.main.name, *self._labels()[:1]]
         else:
-            names = [arrays] if isinstance(arrays, str) else list(arrays) if isinstance(arrays, Sequence) else None
+            names = [arrays] if isinstance(arrays, str) else _names(arrays)
             if not names or not all(isinstance(name, str) for name in names):
                 raise DctchopError(f"arrays must be a name or a sequence of names of the store's arrays, got "
                                    f"{arrays!r}")
@@ -698,6 +698,17 @@ class Loader:
 def epoch_number(epoch) -> int:
     """``epoch`` as an int; a :class:`DctchopError` unless it is a non-negative integer."""
     return _integer(epoch, "epoch", least=0)
+
+
+def _names(arrays) -> list | None:
+    """The items of ``arrays`` (a list, tuple, numpy array or dict keys of names); None for bytes, which
+    iterate as ints, and for what does not iterate."""
+    if isinstance(arrays, (bytes, bytearray)):
+        return None
+    try:
+        return list(arrays)
+    except TypeError:
+        return None
 
 
 def _common_chunk_len(*views) -> int:

@@ -169,16 +169,18 @@ class Location:
 
         return Path(root) if isinstance(fs, LocalFileSystem) else None
 
-    def identity(self) -> tuple[int, int] | None:
+    def identity(self) -> tuple[int, int, int] | None:
         """What tells the store now here from one put in its place later (``compress --overwrite`` renames a
-        new one in): its directory's device and inode, for a local store; None when nothing is here, and for
-        a remote one (nothing cheap tells there)."""
+        new one in): its directory's device, inode and status-change time, for a local store; None when
+        nothing is here, and for a remote one (nothing cheap tells there). The time too, because a file
+        system hands a freed inode to the next new directory (ext4 at once: a store removed and another
+        renamed in had the old one's number), while a rename sets the time of what it moves."""
         path = self.local_path
         try:
             st = os.stat(path) if path is not None else None
         except OSError:
             return None
-        return (st.st_dev, st.st_ino) if st is not None else None
+        return (st.st_dev, st.st_ino, st.st_ctime_ns) if st is not None else None
 
     @property
     def in_process(self) -> bool:

@@ -62,7 +62,7 @@ from dctchop.errors import CorruptChunkError, DctchopError, first_line, output_e
 from dctchop.formats import Source, SourceArray
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
 from dctchop.layout import check_axes, colour_axis, infer_axes
-from dctchop.location import Location, absolute_path, exchange, refuse_special_file, store_holding
+from dctchop.location import Location, absolute_path, exchange, refuse_special_file, rename_new, store_holding
 from dctchop.transform import check_blocks, make_plan, per_axis, resolve_threads
 
 # 4: each chunk file's crc32c is recorded (the lossy arrays' checksum metadata, the record's checksums of the
@@ -426,8 +426,8 @@ def remove_stale_temporaries(output: Location) -> None:
         if pid == os.getpid() or _process_alive(pid):
             continue
         if found[1] == "old" and not path.exists():
-            with contextlib.suppress(FileNotFoundError):  # another run put it back first
-                os.rename(tmp, path)  # killed between the two renames of --overwrite: the old store is the output
+            with contextlib.suppress(FileNotFoundError, FileExistsError):  # another run put it back (or one) first
+                rename_new(tmp, path)  # killed between the two renames of --overwrite: the old store is the output
         else:
             Location(tmp).remove()
 

@@ -774,8 +774,9 @@ class TransformPlan:
 
     @property
     def index(self) -> np.ndarray:
-        """Storage position -> flat coefficient-image position, for every stored value (8 bytes a value: the
-        decoder never needs it for a whole chunk, only :func:`slabs`' small plans do)."""
+        """Storage position -> flat coefficient-image position, for every stored value (8 bytes a value): for
+        plans that decode whole, the small ones of :func:`slabs` and a chunk they cannot cut (axis 0
+        transformed and shorter than a block)."""
         return _index(self.shape, self.axes, self.block, self.keep, self.mask)
 
 

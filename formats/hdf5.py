@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+from functools import cache
 from typing import NamedTuple
 
 import numpy as np
@@ -263,20 +264,24 @@ def _leaves_file(ds, file: str, follow_external: bool) -> str | None:
     missing: list[str] = []
     if ds.is_virtual:
         absent = []  # source datasets that are not there: read as fill values too
+        holds = cache(_holds)  # a source file serves many mappings
+        # where HDF5 looks for a relative source file: HDF5_VDS_PREFIX, the virtual dataset's directory, the
+        # working directory
+        prefixes = [p for p in (os.environ.get("HDF5_VDS_PREFIX"), here, os.getcwd()) if p]
         for vmap in ds.virtual_sources():
-            name = vmap.file_name
+            name, dataset = vmap.file_name, vmap.dset_name
             if name == "." or _same_file(os.path.join(here, name), ds.file.filename):
-                if vmap.dset_name not in ds.file:
-                    absent.append(vmap.dset_name)
+                if "%" not in dataset and dataset not in ds.file:
+                    absent.append(dataset)
                 continue
             outside.append(name)
-            path = next((p for p in (name, os.path.join(here, name)) if os.path.isfile(p)), None)
             if "%" in name:  # a printf-style pattern of file names: HDF5 reads what it finds
                 continue
+            path = next((p for p in (os.path.join(d, name) for d in prefixes) if os.path.isfile(p)), None)
             if path is None:
                 missing.append(name)
-            elif follow_external and not _holds(path, vmap.dset_name):
-                absent.append(f"{name}:{vmap.dset_name}")
+            elif follow_external and "%" not in dataset and not holds(path, dataset):
+                absent.append(f"{name}:{dataset}")
         if absent:
             return f"is a virtual dataset whose sources are missing ({', '.join(sorted(set(absent)))})"
         kind = "virtual dataset with sources in"

@@ -725,7 +725,9 @@ def test_an_error_quoting_a_name_with_a_line_break_is_still_one_line(tmp_path):
     """HDF5 names may hold a line break; the list of names in "no dataset ..." printed it as it is."""
     with h5py.File(tmp_path / "in.h5", "w") as f:
         f["two\nlines"] = np.zeros((4, 16, 16), np.uint8)
-    user_error(run("compress", tmp_path / "in.h5", tmp_path / "o.zarr", "--dataset", "nope"), "two\\nlines")
+        f["and\u2028more"] = np.zeros((4, 16, 16), np.uint8)  # a break for str.splitlines too
+    user_error(run("compress", tmp_path / "in.h5", tmp_path / "o.zarr", "--dataset", "nope"), "two\\nlines",
+               "and\\u2028more")
 
 
 def test_failed_compress_unreachable_ratio_leaves_nothing(data, tmp_path):

@@ -844,6 +844,25 @@ def test_virtual_dataset_whose_source_dataset_is_missing(tmp_path):
         open_source(path, datasets=["other"], follow_external=True)
 
 
+
+def test_virtual_dataset_source_found_where_hdf5_looks_first(tmp_path, monkeypatch):
+    """A relative source file is looked for beside the virtual dataset before the working directory, as HDF5
+    does: an unrelated file of that name in the working directory made a readable dataset 'missing'."""
+    (tmp_path / "d").mkdir()
+    with h5py.File(tmp_path / "d" / "src.h5", "w") as f:
+        f["x"] = np.arange(12.0).reshape(3, 4)
+    with h5py.File(tmp_path / "src.h5", "w") as f:
+        f["unrelated"] = np.zeros(3)
+    with h5py.File(tmp_path / "d" / "vds.h5", "w") as f:
+        layout = h5py.VirtualLayout(shape=(3, 4), dtype="f8")
+        layout[:] = h5py.VirtualSource("src.h5", "x", shape=(3, 4))
+        f.create_virtual_dataset("v", layout)
+    monkeypatch.chdir(tmp_path)
+    (v,) = open_source(tmp_path / "d" / "vds.h5", follow_external=True).lossy
+    np.testing.assert_array_equal(v.read(), np.arange(12.0).reshape(3, 4))
+    close_all()
+
+
 # --------------------------------------------------------------------------------------------------------
 # pickling and worker processes
 # --------------------------------------------------------------------------------------------------------

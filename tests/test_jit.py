@@ -130,22 +130,32 @@ import errno, sys
 from numba.core import caching
 import dctchop.jit
 
-def full(self, sig, data):
+def full(self, name, data):
     raise OSError(errno.ENOSPC, "No space left on device")
 
-caching.Cache._save_overload = full  # as a full disk, a quota or ulimit -f make numba's save fail
+if sys.argv[2] == "full":  # as a full disk, a quota or ulimit -f make numba's save fail
+    caching.IndexDataCacheFile._save_data = full
 sys.path.insert(0, sys.argv[1])
 import kernel
-print(kernel.plus_one(41))
+print(kernel.plus(41))
 """
 
 
 def test_a_kernel_whose_cache_cannot_be_written_still_runs(tmp_path):
     """A full disk where numba keeps its cache (beside the installed package) failed every command that
     compiled a kernel: sweep and preview with an internal error, compress and decompress blaming their
-    output, which had room."""
-    (tmp_path / "kernel.py").write_text("from dctchop.jit import numba\n\n\n@numba.njit(cache=True)\n"
-                                        "def plus_one(x):\n    return x + 1\n")
-    run = subprocess.run([sys.executable, "-c", CACHE_CANNOT_BE_WRITTEN, str(tmp_path)], capture_output=True,
-                         text=True, check=False)
-    assert run.returncode == 0 and run.stdout.strip() == "42", run.stderr
+    output, which had room. And a failed save must not leave the cache naming an older kernel's file."""
+
+    def run(add: int, disk: str) -> str:
+        (tmp_path / "kernel.py").write_text("from dctchop.jit import numba\n\n\n@numba.njit(cache=True)\n"
+                                            f"def plus(x):\n    return x + {add}\n")
+        os.utime(tmp_path / "kernel.py", ns=(add, add))  # numba tells sources apart by size and mtime
+        done = subprocess.run([sys.executable, "-c", CACHE_CANNOT_BE_WRITTEN, str(tmp_path), disk],
+                              capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert run(1, "full") == "42"
+    assert run(1, "room") == "42"  # cached now
+    assert run(1000, "full") == "1041"  # a new source whose save fails
+    assert run(1000, "room") == "1041"  # numba's index had named the old kernel's data file: 42

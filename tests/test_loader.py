@@ -836,7 +836,7 @@ def test_a_store_replaced_under_a_reader_is_refused_not_mixed(image_store, tmp_p
         f["images"] = np.zeros((N_IMAGES, 32, 32, 3), np.uint8)
         f["labels"] = labels + 1000
     compress(open_source(str(tmp_path / "other.h5")), store, CompressOptions(chunk_samples=CHUNK), overwrite=True)
-    replaced = f"{store} was replaced or removed since it was opened; open it again"
+    replaced = f"{store} was replaced, removed or changed since it was opened; open it again"
     with pytest.raises(DctchopError, match=re.escape(replaced)):
         ds[len(ds) - 1]  # a chunk not read before
     with pytest.raises(DctchopError, match=re.escape(replaced)):
@@ -846,6 +846,14 @@ def test_a_store_replaced_under_a_reader_is_refused_not_mixed(image_store, tmp_p
     assert dctchop.open(store)["labels"][0] == labels[0] + 1000  # a new view reads the new store
     shutil.rmtree(store)
     with pytest.raises(DctchopError, match=re.escape(replaced)):
+        ds[len(ds) // 2]
+    # removed, then another renamed into its place: ext4 gave the new directory the old one's inode number
+    shutil.copytree(image_store, store)
+    shutil.copytree(image_store, tmp_path / "copy.zarr")
+    ds = dctchop.open(store)
+    shutil.rmtree(store)
+    (tmp_path / "copy.zarr").rename(store)
+    with pytest.raises(DctchopError, match="changed since it was opened"):
         ds[len(ds) // 2]
 
 
@@ -880,8 +888,15 @@ def test_views_pickle_by_their_dataset_and_name(image_store):
         np.testing.assert_array_equal(copy[[5, N_IMAGES - 1]], view[[5, N_IMAGES - 1]])
 
 
+def test_arrays_may_be_any_collection_of_names(image_store):
+    for arrays in (np.array(["images", "labels"]), {"images": 1, "labels": 2}.keys(), ("images", "labels")):
+        assert dctchop.Loader(image_store, batch_size=100, arrays=arrays).names == ["images", "labels"]
+
+
 @needs_torch
-def test_torch_dataset_workers_find_the_store_opened_by_a_relative_path(image_store, tmp_path, monkeypatch):
+def test_torch_dataset_finds_the_store_opened_by_a_relative_path_after_chdir(image_store, tmp_path, monkeypatch):
+    """Each iteration makes its Loader from the TorchDataset's arguments, in the process (here) or in each
+    DataLoader worker (pickled): the relative path named another store, or none, after os.chdir."""
     import shutil
 
     import torch.utils.data
