@@ -307,6 +307,11 @@ def _one_line(message: str) -> str:
     return "".join(ascii(c)[1:-1] if c in LINE_BREAKS else c for c in message)
 
 
+def _notes(e: BaseException) -> str:
+    """What the library added to an interruption it let through (compress: the new store was in place)."""
+    return "".join(f"; {_one_line(note)}" for note in getattr(e, "__notes__", ()))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the group, turning errors into one line on stderr and a documented exit code."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -314,21 +319,21 @@ def main(argv: list[str] | None = None) -> None:
         with _signals_raise(), _one_line_warnings(debug):
             cli.main(args=argv, prog_name="dctchop", standalone_mode=False)
     except Terminated as e:
-        click.echo(f"dctchop: interrupted by {e}", err=True)
+        click.echo(f"dctchop: interrupted by {e}{_notes(e)}", err=True)
         sys.exit(128 + e.signum)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(EXIT_USAGE)
-    except click.exceptions.Abort:
-        click.echo("dctchop: interrupted", err=True)
+    except click.exceptions.Abort as e:  # click's form of a KeyboardInterrupt
+        click.echo(f"dctchop: interrupted{_notes(e.__context__ or e)}", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except DctchopError as e:
         click.echo(f"dctchop: error: {_one_line(str(e))}", err=True)
         sys.exit(EXIT_USER)
-    except KeyboardInterrupt:
-        click.echo("dctchop: interrupted", err=True)
+    except KeyboardInterrupt as e:
+        click.echo(f"dctchop: interrupted{_notes(e)}", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - the last line of defence: one line, unless --debug
         if debug:

@@ -1086,7 +1086,13 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
         _discard_temporary(tmp, made_parents)
         raise
     if replaced is not None:
-        _remove_replaced(replaced, output)
+        try:
+            _remove_replaced(replaced, output)
+        except BaseException as e:  # Ctrl-C, SIGTERM: the new store is in place, so say so
+            if not isinstance(e, DctchopError):
+                e.add_note(f"{output} was written; the store it replaced is left at {replaced}, which the next "
+                           f"run writing {output.name} removes")
+            raise
     return summary
 
 

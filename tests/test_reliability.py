@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -1262,6 +1263,29 @@ def test_a_signal_during_overwrite_keeps_the_old_store(tmp_path, big_npy, inputs
     assert snapshot(out) == before
     assert siblings(out) == []
     np.testing.assert_array_equal(read_store(out).shape, (64, 16, 16))
+
+
+def test_an_interrupt_while_the_replaced_store_is_removed_says_the_new_one_is_in_place(tmp_path, inputs):
+    """Past the swap, Ctrl-C said only "interrupted" (as if nothing had changed) while the new store was the
+    output and the old one lay half removed beside it."""
+    out = tmp_path / "o.zarr"
+    ok(run("compress", inputs / "images.npy", out, "--quiet"))
+    prelude = textwrap.dedent("""
+        from dctchop.location import Location
+        remove = Location.remove
+        def interrupted(self, check=False):
+            if check:  # only the removal of the store an --overwrite replaced checks
+                raise KeyboardInterrupt
+            remove(self, check)
+        Location.remove = interrupted
+    """)
+    p = run_main(["compress", inputs / "field.npy", out, "--overwrite", "--quiet"], prelude, tmp_path)
+    line = one_line(p, 130, "dctchop: interrupted; ")
+    assert f"{out} was written; the store it replaced is left at " in line
+    assert line.endswith("which the next run writing o.zarr removes") and len(siblings(out)) == 1
+    assert read_store(out).shape == (16, 24, 24)
+    ok(run("compress", inputs / "field.npy", out, "--overwrite", "--quiet"))
+    assert siblings(out) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
