@@ -56,7 +56,7 @@ from dctchop.store import (
     plan_array,
     unframe,
 )
-from dctchop.transform import resolve_threads
+from dctchop.transform import forget_plans, resolve_threads
 
 DEFAULT_SAMPLE = 256
 DEFAULT_SAMPLE_BYTES = 32 << 20
@@ -237,6 +237,8 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
             used_axes = used_axes or settings.axes
         except DctchopError as e:
             skipped.append({"name": " ".join(setting.options), "reason": str(e)})
+        finally:
+            forget_plans()  # the next setting plans the sample anew; keeping every setting's held ~10
     pareto(results)
     return {
         "input": str(input_path), "follow_external": follow_external, "array": array.name,

