@@ -27,7 +27,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import zarr
@@ -35,7 +34,7 @@ import zarr
 from dctchop.codec import ChunkDecoder, StoredChunk, most_coded_bytes, read_stored
 from dctchop.errors import CorruptChunkError, DctchopError, first_line
 from dctchop.inspect import open_store
-from dctchop.location import Location, absolute_path, is_url
+from dctchop.location import Location
 from dctchop.store import (
     FILE_FIELDS,
     META_GROUP,
@@ -593,10 +592,9 @@ class Dataset:
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, main: str | None = None) -> None:
-        # absolute: a relative path would name another store after os.chdir
-        self.path = Path(absolute_path(path)) if not is_url(path) else os.fspath(path)
+        root = Location(path).absolute()  # a relative path would name another store after os.chdir
+        self.path = root.target if root.is_url else root.path
         self._threads = resolve_threads(threads)
-        root = Location(self.path)
         identity = root.identity()
         group, info = open_store(self.path)
         self.info = info

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import multiprocessing
 import multiprocessing.context
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -43,7 +42,7 @@ from dctchop.codec import StoredChunk
 from dctchop.dataset import Dataset
 from dctchop.errors import DctchopError, first_line
 from dctchop.loader import Loader, epoch_number
-from dctchop.location import absolute_path, is_url
+from dctchop.location import Location
 from dctchop.transform import TransformPlan, dct_matrix, in_triangle, make_plan, work_dtype
 
 __all__ = ["BlockGroup", "DeviceDecoder", "DeviceStage", "StagedChunk", "TorchDataset", "block_groups",
@@ -464,7 +463,7 @@ class TorchDataset(torch.utils.data.IterableDataset):
                                    "yield torch tensors)")
         options.setdefault("threads", 1)
         # a Dataset pickles by its path, made absolute: the workers find the same store after an os.chdir
-        path = path if isinstance(path, Dataset) else os.fspath(path) if is_url(path) else absolute_path(path)
+        path = path if isinstance(path, Dataset) else Location(path).absolute().target
         self._args = dict(path=path, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                           output="torch", **options)
         Loader(**self._args)  # check every setting here, not in the workers
