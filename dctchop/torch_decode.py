@@ -125,7 +125,7 @@ def _block_groups(shape, axes, block, keep, mask) -> tuple[BlockGroup, ...]:
         for d, p in enumerate(plan.axis_plans):
             full = p.length // p.block
             if (g >> d) & 1:  # the edge block, as the plan cut it: (first row, kept rows, first sample, width)
-                _, kept, start, width = (int(v) for v in p.block_rows[-1]) if full < len(p.block_rows) else (0,) * 4
+                _, kept, start, width = p.edge or (0,) * 4
                 widths.append(width), keeps.append(kept), counts.append(1 if width else 0), offsets.append(start)
             else:
                 widths.append(p.block), keeps.append(p.keep), counts.append(full), offsets.append(0)

@@ -64,59 +64,70 @@ def work_dtype(dtype: np.dtype) -> np.dtype:
 class AxisPlan:
     """How one axis of a given length is cut into blocks and which coefficients of each block are kept.
 
-    Row ``r`` of the axis' coefficient vector is band ``band[r]`` of the block that starts at sample
-    ``start[r]`` and has ``width[r]`` samples, whose ``block_keep[r]`` first bands are kept; ``matrix[r]``
-    holds that block's DCT row (zero beyond ``width[r]``).
+    The blocks come in at most two kinds, the whole blocks and an edge block of the samples left, each kind a
+    row of ``kinds``: its first coefficient row, kept rows per block, first sample, samples per block, number
+    of blocks and first row in ``matrix``, which holds each kind's DCT rows (zero beyond its width). Block ``b``
+    of a kind keeps coefficient rows ``first + b * rows ..`` from samples ``first_sample + b * samples ..``.
+    Sized by the kinds, not the axis: per block or per row, a (1, 4, 10M) field took 2.4 GB to plan.
     """
 
     length: int
     block: int
     keep: int
     matrix: np.ndarray = field(repr=False)
-    start: np.ndarray = field(repr=False)
-    width: np.ndarray = field(repr=False)
-    band: np.ndarray = field(repr=False)
-    block_keep: np.ndarray = field(repr=False)
-    # per block: first coefficient row, number of rows, first sample, number of samples
-    block_rows: np.ndarray = field(repr=False)
+    kinds: np.ndarray = field(repr=False)
 
     @property
     def kept(self) -> int:
-        return int(self.matrix.shape[0])
+        return int(np.dot(self.kinds[:, 1], self.kinds[:, 4]))
+
+    @property
+    def whole_rows(self) -> int:
+        """Coefficient rows of the whole blocks (the edge block's follow)."""
+        return (self.length // self.block) * self.keep
+
+    @property
+    def edge(self) -> tuple[int, int, int, int] | None:
+        """The edge block's (first coefficient row, kept rows, first sample, samples), None without one."""
+        if self.length % self.block == 0:
+            return None
+        r0, k, s0, w = (int(v) for v in self.kinds[-1, :4])
+        return r0, k, s0, w
+
+    def row_widths(self, rows: np.ndarray) -> np.ndarray:
+        """Samples in the block of each coefficient row of ``rows``."""
+        edge = self.edge
+        return np.where(rows < self.whole_rows, self.block, edge[3] if edge else 0)
+
+    def band_rows(self, edge: bool, band: int) -> tuple[np.ndarray, int]:
+        """The coefficient rows of band ``band`` of the whole (or the edge) blocks, and those blocks' keep."""
+        if edge:
+            first, n, k = (self.whole_rows, 1, self.edge[1]) if self.edge else (0, 0, 0)
+        else:
+            first, n, k = 0, self.length // self.block, self.keep
+        if band >= k or n == 0:
+            return np.zeros(0, np.int64), 0
+        return first + band + k * np.arange(n, dtype=np.int64), k
 
 
 @lru_cache(maxsize=256)
 def axis_plan(length: int, block: int, keep: int) -> AxisPlan:
-    """The plan of an axis: its full blocks alike, then an edge block of the samples left (built with numpy
-    per kind of block, not per block: a (2M, 2) chunk's axis 0 took 7 s in a loop over its 250,000 blocks)."""
-    full, rest = divmod(length, block)
-    kinds = [(block, full)] + ([(rest, 1)] if rest else [])  # (samples per block, blocks)
-    matrix, start, width, band, block_keep, block_rows = [], [], [], [], [], []
-    offset = row = 0
-    for w, n in kinds:
+    """The plan of an axis: its whole blocks alike, then an edge block of the samples left."""
+    whole, rest = divmod(length, block)
+    kinds, matrix = [], []
+    row = mat_row = 0
+    for w, n in [(block, whole)] * bool(whole) + [(rest, 1)] * bool(rest):  # (samples per block, blocks)
         k = min(w, keep if w == block else -(-w * keep // block))
         rows = np.zeros((k, block))
         rows[:, :w] = dct_matrix(w)[:k]
-        first = offset + w * np.arange(n)  # each block's first sample
-        matrix.append(np.tile(rows, (n, 1)))
-        start.append(np.repeat(first, k))
-        width.append(np.full(n * k, w))
-        band.append(np.tile(np.arange(k), n))
-        block_keep.append(np.full(n * k, k))
-        block_rows.append(np.stack([row + k * np.arange(n), np.full(n, k), first, np.full(n, w)], axis=1))
-        offset, row = offset + n * w, row + n * k
-    as_int = lambda parts: np.concatenate(parts).astype(np.int64)
-    return AxisPlan(
-        length=length,
-        block=block,
-        keep=keep,
-        matrix=np.concatenate(matrix).astype(np.float64),
-        start=as_int(start),
-        width=as_int(width),
-        band=as_int(band),
-        block_keep=as_int(block_keep),
-        block_rows=as_int(block_rows).reshape(-1, 4),
-    )
+        kinds.append((row, k, (length - rest) * (w != block), w, n, mat_row))
+        matrix.append(rows)
+        row, mat_row = row + n * k, mat_row + k
+    # not made read-only: numba compiles kernels reading a read-only ``kinds`` to slower code (the 28-wide rows of
+    # _inverse_rows8 1.4x slower)
+    return AxisPlan(length=length, block=block, keep=keep,
+                    matrix=np.concatenate(matrix) if matrix else np.zeros((0, block)),
+                    kinds=np.array(kinds, dtype=np.int64).reshape(-1, 6))
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -124,19 +135,28 @@ def axis_plan(length: int, block: int, keep: int) -> AxisPlan:
 # inner when it is long, the tiled kernels below when it is short. All release the GIL.
 
 
+@numba.njit(inline="always")
+def _kind(kinds, i):  # pragma: no cover - compiled
+    """Row ``i`` of :attr:`AxisPlan.kinds`: (first row, rows per block, first sample, samples per block, blocks,
+    first matrix row)."""
+    return kinds[i, 0], kinds[i, 1], kinds[i, 2], kinds[i, 3], kinds[i, 4], kinds[i, 5]
+
+
 @numba.njit(nogil=True, cache=True)
-def _forward_3d(src, dst, mat, start, width):  # pragma: no cover - compiled
+def _forward_3d(src, dst, mat, kinds):  # pragma: no cover - compiled
     n_outer, _, n_inner = src.shape
-    n_rows = dst.shape[1]
     for o in range(n_outer):
-        for r in range(n_rows):
-            s = start[r]
-            for i in range(n_inner):
-                dst[o, r, i] = 0.0
-            for j in range(width[r]):
-                m = mat[r, j]
-                for i in range(n_inner):
-                    dst[o, r, i] += m * src[o, s + j, i]
+        for kind in range(kinds.shape[0]):
+            r0, nr, s0, w, n, m0 = _kind(kinds, kind)
+            for b in range(n):
+                for t in range(nr):
+                    r, s = r0 + b * nr + t, s0 + b * w
+                    for i in range(n_inner):
+                        dst[o, r, i] = 0.0
+                    for j in range(w):
+                        m = mat[m0 + t, j]
+                        for i in range(n_inner):
+                            dst[o, r, i] += m * src[o, s + j, i]
 
 
 # When the inner extent is short (the last axis: 1; NHWC's channels: 3) the loop above cannot vectorise.
@@ -154,20 +174,24 @@ def _tiled(length: int, n_inner: int) -> bool:
 
 
 @numba.njit(inline="always")
-def _forward_tile(tin, tout, mat, start, width):  # pragma: no cover - compiled
-    """tout[r] = sum_j mat[r, j] * tin[start[r] + j], vectorised across the tile's columns."""
-    for r in range(tout.shape[0]):
-        s = start[r]
-        for k in range(TILE):
-            tout[r, k] = 0.0
-        for j in range(width[r]):
-            m = mat[r, j]
-            for k in range(TILE):
-                tout[r, k] += m * tin[s + j, k]
+def _forward_tile(tin, tout, mat, kinds):  # pragma: no cover - compiled
+    """Each block's coefficient rows ``tout[r]`` from its samples ``tin[s ..]``, vectorised across the tile's
+    columns."""
+    for kind in range(kinds.shape[0]):
+        r0, nr, s0, w, n, m0 = _kind(kinds, kind)
+        for b in range(n):
+            for t in range(nr):
+                r, s = r0 + b * nr + t, s0 + b * w
+                for k in range(TILE):
+                    tout[r, k] = 0.0
+                for j in range(w):
+                    m = mat[m0 + t, j]
+                    for k in range(TILE):
+                        tout[r, k] += m * tin[s + j, k]
 
 
 @numba.njit(nogil=True, cache=True)
-def _forward_tiled(src, dst, mat, start, width):  # pragma: no cover - compiled
+def _forward_tiled(src, dst, mat, kinds):  # pragma: no cover - compiled
     n_outer, length, n_inner = src.shape
     n_rows = dst.shape[1]
     n_cols = n_outer * n_inner
@@ -179,7 +203,7 @@ def _forward_tiled(src, dst, mat, start, width):  # pragma: no cover - compiled
             o, i = divmod(c0 + k, n_inner)
             for j in range(length):
                 tin[j, k] = src[o, j, i]
-        _forward_tile(tin, tout, mat, start, width)
+        _forward_tile(tin, tout, mat, kinds)
         for k in range(t):
             o, i = divmod(c0 + k, n_inner)
             for r in range(n_rows):
@@ -192,7 +216,7 @@ COLOUR_TILE = TILE // 3
 
 
 @numba.njit(nogil=True, cache=True)
-def _forward_tiled_colour(src, dst, mat, start, width, colour):  # pragma: no cover - compiled
+def _forward_tiled_colour(src, dst, mat, kinds, colour):  # pragma: no cover - compiled
     """:func:`_forward_tiled` for inner extent 3, then ``dst[o, r, :] = colour @ dst[o, r, :]``."""
     n_outer, length, _ = src.shape
     n_rows = dst.shape[1]
@@ -204,7 +228,7 @@ def _forward_tiled_colour(src, dst, mat, start, width, colour):  # pragma: no co
             for i in range(3):
                 for j in range(length):
                     tin[j, 3 * o + i] = src[o0 + o, j, i]
-        _forward_tile(tin, tout, mat, start, width)
+        _forward_tile(tin, tout, mat, kinds)
         for o in range(n):
             for r in range(n_rows):
                 a, b, c = tout[r, 3 * o], tout[r, 3 * o + 1], tout[r, 3 * o + 2]
@@ -265,38 +289,40 @@ def _column_even_odd(m, x, r0, k, zero):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _inverse_3d(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+def _inverse_3d(src, dst, mat, kinds, lo, hi, is_int):  # pragma: no cover - compiled
     n_outer, _, n_inner = src.shape
     acc = np.empty(n_inner, dtype=mat.dtype)
     zero = np.zeros(1, dtype=mat.dtype)[0]
     for o in range(n_outer):
         x = src[o]
-        for b in range(block_rows.shape[0]):
-            r0, nr, s0, w = block_rows[b, 0], block_rows[b, 1], block_rows[b, 2], block_rows[b, 3]
-            if nr == 8:  # rows as views: indexing the 3-d arrays in the loop kept it from vectorising
-                x0, x1, x2, x3, x4, x5, x6, x7 = x[r0], x[r0 + 1], x[r0 + 2], x[r0 + 3], x[r0 + 4], x[r0 + 5], \
-                    x[r0 + 6], x[r0 + 7]
-                for j in range((w + 1) // 2):  # j and its mirror (the middle sample of an odd w: once)
-                    m = _rows8(mat, r0, j)
-                    first, last = dst[o, s0 + j], dst[o, s0 + w - 1 - j]
+        for kind in range(kinds.shape[0]):
+            first_row, nr, first_sample, w, n, m0 = _kind(kinds, kind)
+            for b in range(n):
+                r0, s0 = first_row + b * nr, first_sample + b * w
+                if nr == 8:  # rows as views: indexing the 3-d arrays in the loop kept it from vectorising
+                    x0, x1, x2, x3, x4, x5, x6, x7 = x[r0], x[r0 + 1], x[r0 + 2], x[r0 + 3], x[r0 + 4], x[r0 + 5], \
+                        x[r0 + 6], x[r0 + 7]
+                    for j in range((w + 1) // 2):  # j and its mirror (the middle sample of an odd w: once)
+                        m = _rows8(mat, m0, j)
+                        first, last = dst[o, s0 + j], dst[o, s0 + w - 1 - j]
+                        for i in range(n_inner):
+                            e, od = _even_odd(m, x0[i], x1[i], x2[i], x3[i], x4[i], x5[i], x6[i], x7[i], zero)
+                            last[i] = _store(e - od, lo, hi, is_int)
+                            first[i] = _store(e + od, lo, hi, is_int)
+                    continue
+                for j in range(w):
                     for i in range(n_inner):
-                        e, od = _even_odd(m, x0[i], x1[i], x2[i], x3[i], x4[i], x5[i], x6[i], x7[i], zero)
-                        last[i] = _store(e - od, lo, hi, is_int)
-                        first[i] = _store(e + od, lo, hi, is_int)
-                continue
-            for j in range(w):
-                for i in range(n_inner):
-                    acc[i] = 0.0
-                for r in range(r0, r0 + nr):
-                    m = mat[r, j]
+                        acc[i] = 0.0
+                    for t in range(nr):
+                        m = mat[m0 + t, j]
+                        for i in range(n_inner):
+                            acc[i] += m * src[o, r0 + t, i]
                     for i in range(n_inner):
-                        acc[i] += m * src[o, r, i]
-                for i in range(n_inner):
-                    dst[o, s0 + j, i] = _store(acc[i], lo, hi, is_int)
+                        dst[o, s0 + j, i] = _store(acc[i], lo, hi, is_int)
 
 
 @numba.njit(nogil=True, cache=True)
-def _inverse_tiled(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+def _inverse_tiled(src, dst, mat, kinds, lo, hi, is_int):  # pragma: no cover - compiled
     n_outer, n_rows, n_inner = src.shape
     length = dst.shape[1]
     n_cols = n_outer * n_inner
@@ -309,7 +335,7 @@ def _inverse_tiled(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cov
             o, i = divmod(c0 + k, n_inner)
             for r in range(n_rows):
                 tin[r, k] = src[o, r, i]
-        _tile_product(tin, tout, mat, block_rows, zero)
+        _tile_product(tin, tout, mat, kinds, zero)
         for k in range(t):
             o, i = divmod(c0 + k, n_inner)
             for j in range(length):
@@ -317,33 +343,35 @@ def _inverse_tiled(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cov
 
 
 @numba.njit(inline="always")
-def _tile_product(tin, tout, mat, block_rows, zero):  # pragma: no cover - compiled
+def _tile_product(tin, tout, mat, kinds, zero):  # pragma: no cover - compiled
     """``tout = mat.T @ tin`` block by block, across the TILE columns of a tile. Rows are uint64: no wraparound
     checks (see the note on indexing in dctchop.quantize)."""
-    for b in range(block_rows.shape[0]):
-        r0, nr, s0, w = np.uint64(block_rows[b, 0]), block_rows[b, 1], np.uint64(block_rows[b, 2]), block_rows[b, 3]
-        if nr == 8:
-            for j in range((w + 1) // 2):  # as in _inverse_3d
-                m = _rows8(mat, r0, j)
+    for kind in range(kinds.shape[0]):
+        first_row, nr, first_sample, w, n, m0 = _kind(kinds, kind)
+        for b in range(n):
+            r0, s0 = np.uint64(first_row + b * nr), np.uint64(first_sample + b * w)
+            if nr == 8:
+                for j in range((w + 1) // 2):  # as in _inverse_3d
+                    m = _rows8(mat, m0, j)
+                    for k in range(TILE):
+                        e, od = _column_even_odd(m, tin, r0, k, zero)
+                        tout[s0 + w - 1 - j, k] = e - od
+                        tout[s0 + j, k] = e + od
+                continue
+            for j in range(w):
                 for k in range(TILE):
-                    e, od = _column_even_odd(m, tin, r0, k, zero)
-                    tout[s0 + w - 1 - j, k] = e - od
-                    tout[s0 + j, k] = e + od
-            continue
-        for j in range(w):
-            for k in range(TILE):
-                tout[s0 + j, k] = 0.0
-            for r in range(r0, r0 + nr):
-                m = mat[r, j]
-                for k in range(TILE):
-                    tout[s0 + j, k] += m * tin[r, k]
+                    tout[s0 + j, k] = 0.0
+                for t in range(nr):
+                    m = mat[m0 + t, j]
+                    for k in range(TILE):
+                        tout[s0 + j, k] += m * tin[r0 + t, k]
 
 
 # NHWC images: the colour pass (:func:`_rows3` over C) done while gathering the tiles of the pass over W,
 # instead of as a pass of its own through memory: the same products in the same order, about 30% faster
 # than the two passes. Tiles hold the 3 colours of TILE // 3 rows.
 @numba.njit(nogil=True, cache=True)
-def _inverse_tiled_rows3(src, dst, colour, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+def _inverse_tiled_rows3(src, dst, colour, mat, kinds, lo, hi, is_int):  # pragma: no cover - compiled
     n_outer, n_rows, _ = src.shape
     length = dst.shape[1]
     per = TILE // 3
@@ -358,7 +386,7 @@ def _inverse_tiled_rows3(src, dst, colour, mat, block_rows, lo, hi, is_int):  # 
                 tin[r, 3 * t] = colour[0, 0] * a + colour[1, 0] * b + colour[2, 0] * c
                 tin[r, 3 * t + 1] = colour[0, 1] * a + colour[1, 1] * b + colour[2, 1] * c
                 tin[r, 3 * t + 2] = colour[0, 2] * a + colour[1, 2] * b + colour[2, 2] * c
-        _tile_product(tin, tout, mat, block_rows, zero)
+        _tile_product(tin, tout, mat, kinds, zero)
         for t in range(n_o):
             for j in range(length):
                 for i in range(3):
@@ -480,25 +508,26 @@ def _run_to_rows(run, a, o0, rows, n):  # pragma: no cover - compiled
 
 
 @numba.njit(inline="always")
-def _forward_edge_block(src, dst, o0, rows, mat, start, width, first, tile, acc, zero):  # pragma: no cover - compiled
-    """Outputs ``first ..`` (the edge block's) of rows ``o0 .. o0 + rows``, vectorised across the rows."""
-    s0 = start[first]
-    for j in range(src.shape[1] - s0):
+def _forward_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero):  # pragma: no cover - compiled
+    """The edge block's outputs (the last kind of ``kinds``) of rows ``o0 .. o0 + rows``, vectorised across the
+    rows."""
+    r0, nr, s0, w, _, m0 = _kind(kinds, kinds.shape[0] - 1)
+    for j in range(w):
         for t in range(rows):
             tile[j, t] = src[o0 + t, s0 + j]
-    for r in range(first, dst.shape[1]):
+    for r in range(nr):
         for t in range(TILE):
             acc[t] = zero
-        for j in range(width[r]):
-            m, k = mat[r, j], start[r] - s0 + j
+        for j in range(w):
+            m = mat[m0 + r, j]
             for t in range(TILE):
-                acc[t] += m * tile[k, t]
+                acc[t] += m * tile[j, t]
         for t in range(rows):
-            dst[o0 + t, r] = acc[t]
+            dst[o0 + t, r0 + r] = acc[t]
 
 
 @numba.njit(nogil=True, cache=True)
-def _forward_rows8(src, dst, mat, start, width):  # pragma: no cover - compiled
+def _forward_rows8(src, dst, mat, kinds):  # pragma: no cover - compiled
     """Forward pass over a contiguous axis, blocks of 8 keeping 8 bands: src (outer, length), dst (outer, kept)."""
     n_outer, length = src.shape
     n_full = length // 8
@@ -515,7 +544,7 @@ def _forward_rows8(src, dst, mat, start, width):  # pragma: no cover - compiled
             rows = min(TILE, n_outer - o0)
             for t in range(rows):
                 _forward_blocks8(src[o0 + t], dst[o0 + t], n_full, m, zero)
-            _forward_edge_block(src, dst, o0, rows, mat, start, width, full, tile, acc, zero)
+            _forward_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero)
         return
     run_in, run_out = np.empty(TILE * full, dtype=src.dtype), np.empty(TILE * full, dtype=dst.dtype)
     for o0 in range(0, n_outer, TILE):
@@ -523,14 +552,13 @@ def _forward_rows8(src, dst, mat, start, width):  # pragma: no cover - compiled
         _rows_to_run(src, o0, rows, full, run_in)
         _forward_blocks8(run_in, run_out, rows * n_full, m, zero)
         _run_to_rows(run_out, dst, o0, rows, full)
-        _forward_edge_block(src, dst, o0, rows, mat, start, width, full, tile, acc, zero)
+        _forward_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero)
 
 
 @numba.njit(inline="always")
-def _inverse_edge_block(src, dst, o0, rows, mat, block_rows, tile, acc, zero, lo, hi,
-                        is_int):  # pragma: no cover - compiled
-    """The edge block (the last of ``block_rows``) of rows ``o0 .. o0 + rows``, vectorised across the rows."""
-    r0, nr, s0, w = block_rows[-1, 0], block_rows[-1, 1], block_rows[-1, 2], block_rows[-1, 3]
+def _inverse_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero, lo, hi, is_int):  # pragma: no cover - compiled
+    """The edge block (the last kind of ``kinds``) of rows ``o0 .. o0 + rows``, vectorised across the rows."""
+    r0, nr, s0, w, _, m0 = _kind(kinds, kinds.shape[0] - 1)
     for r in range(nr):
         for t in range(rows):
             tile[r, t] = src[o0 + t, r0 + r]
@@ -538,7 +566,7 @@ def _inverse_edge_block(src, dst, o0, rows, mat, block_rows, tile, acc, zero, lo
         for t in range(TILE):
             acc[t] = zero
         for r in range(nr):
-            m = mat[r0 + r, j]
+            m = mat[m0 + r, j]
             for t in range(TILE):
                 acc[t] += m * tile[r, t]
         for t in range(rows):
@@ -546,7 +574,7 @@ def _inverse_edge_block(src, dst, o0, rows, mat, block_rows, tile, acc, zero, lo
 
 
 @numba.njit(nogil=True, cache=True)
-def _inverse_rows8(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+def _inverse_rows8(src, dst, mat, kinds, lo, hi, is_int):  # pragma: no cover - compiled
     """Inverse of :func:`_forward_rows8`: src (outer, kept), dst (outer, length)."""
     n_outer, length = dst.shape
     n_full = length // 8
@@ -563,7 +591,7 @@ def _inverse_rows8(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cov
             rows = min(TILE, n_outer - o0)
             for t in range(rows):
                 _inverse_blocks8(src[o0 + t], dst[o0 + t], n_full, m, zero, lo, hi, is_int)
-            _inverse_edge_block(src, dst, o0, rows, mat, block_rows, tile, acc, zero, lo, hi, is_int)
+            _inverse_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero, lo, hi, is_int)
         return
     run_in, run_out = np.empty(TILE * full, dtype=src.dtype), np.empty(TILE * full, dtype=dst.dtype)
     for o0 in range(0, n_outer, TILE):
@@ -571,7 +599,7 @@ def _inverse_rows8(src, dst, mat, block_rows, lo, hi, is_int):  # pragma: no cov
         _rows_to_run(src, o0, rows, full, run_in)
         _inverse_blocks8(run_in, run_out, rows * n_full, m, zero, lo, hi, is_int)
         _run_to_rows(run_out, dst, o0, rows, full)
-        _inverse_edge_block(src, dst, o0, rows, mat, block_rows, tile, acc, zero, lo, hi, is_int)
+        _inverse_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero, lo, hi, is_int)
 
 
 def _is_rows8(p: AxisPlan, n_inner: int) -> bool:
@@ -600,7 +628,7 @@ def _colour_planes(x, planes, colour):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _inverse_rows3x8(src, dst, colour, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+def _inverse_rows3x8(src, dst, colour, mat, kinds, lo, hi, is_int):  # pragma: no cover - compiled
     """dst[o, 3 * j + i] = sum_r mat[r, j] * sum_c colour[c, i] * src[o, 3 * r + c], block by block."""
     n_outer, n_in = src.shape
     kept, length = n_in // 3, dst.shape[1] // 3
@@ -620,7 +648,7 @@ def _inverse_rows3x8(src, dst, colour, mat, block_rows, lo, hi, is_int):  # prag
         else:
             for c in range(3):
                 _inverse_rows8(planes[c * k : (c + 1) * k].reshape(rows, kept),
-                               done[c * n : (c + 1) * n].reshape(rows, length), mat, block_rows, lo, hi, is_int)
+                               done[c * n : (c + 1) * n].reshape(rows, length), mat, kinds, lo, hi, is_int)
         q0, q1, q2 = done[:n], done[n : 2 * n], done[2 * n : 3 * n]
         for w in range(n):
             y[3 * w], y[3 * w + 1], y[3 * w + 2] = q0[w], q1[w], q2[w]
@@ -631,7 +659,7 @@ def _inverse_rows3x8(src, dst, colour, mat, block_rows, lo, hi, is_int):  # prag
 # in ``dst`` (a sample's rows of one colour are contiguous there), with no interleaving loop; and the
 # loader's gather then converts contiguous runs (vectorised) instead of deinterleaving by 3 (about 8x slower).
 @numba.njit(nogil=True, cache=True)
-def _inverse_rows3x8_planar(src, dst, colour, mat, block_rows, lo, hi, is_int):  # pragma: no cover - compiled
+def _inverse_rows3x8_planar(src, dst, colour, mat, kinds, lo, hi, is_int):  # pragma: no cover - compiled
     """dst[n, i, h, j] = sum_r mat[r, j] * sum_c colour[c, i] * src[n, h, 3 * r + c], block by block."""
     n_samples, n_rows, n_in = src.shape
     kept, length = n_in // 3, dst.shape[3]
@@ -647,7 +675,7 @@ def _inverse_rows3x8_planar(src, dst, colour, mat, block_rows, lo, hi, is_int): 
                 if length % 8 == 0:  # whole blocks, inlined (see _inverse_rows3x8: 1.15x faster than the call)
                     _inverse_blocks8(plane, out.reshape(-1), k // 8, m, zero, lo, hi, is_int)
                 else:
-                    _inverse_rows8(plane.reshape(h1 - h0, kept), out, mat, block_rows, lo, hi, is_int)
+                    _inverse_rows8(plane.reshape(h1 - h0, kept), out, mat, kinds, lo, hi, is_int)
 
 
 # A last axis of exactly 3 kept whole (the RGB colour axis): a 3x3 product per row, unrolled. The tiled kernel
@@ -781,9 +809,10 @@ class TransformPlan:
 
 
 def forget_plans() -> None:
-    """Drop every cached plan. A plan holds a few hundred bytes per position of a long transformed axis (the
-    DCT rows of each block): a sweep over settings, which would keep each setting's, calls this between them
-    (a (1, 4, 2.5M) float32 sample of 40 MB: 2.8 GB at its peak before, 1.3 GB after)."""
+    """Drop every cached plan. A chunk's plans hold 8 to 40 bytes per value (its runs' rows, its slabs'
+    storage order and band-major layouts): a sweep over settings, which would keep each setting's, calls this
+    between them (a (1, 4, 2.5M) float32 sample of 40 MB: 2.8 GB at its peak before, 1.3 GB after; 0.6 GB since
+    axis plans are per kind of block)."""
     for cached in (axis_plan, _plan, _full_block_bands, _runs, _index, _placement, _slab_bounds, _slabs,
                    _inverse_passes, _band_major):
         cached.cache_clear()
@@ -856,10 +885,9 @@ def _runs(shape, axes, block, keep, mask) -> Runs:
     @cache
     def axis_rows(d: int, edge: bool, band: int) -> tuple[np.ndarray, int]:
         """The coefficient rows of band ``band`` of the full (or edge) blocks of ``axes[d]``, and their keep."""
-        p = plan.axis_plans[d]
-        rows = np.flatnonzero(((p.width != p.block) == edge) & (p.band == band))
+        rows, keep = plan.axis_plans[d].band_rows(edge, band)
         rows.setflags(write=False)
-        return rows, int(p.block_keep[rows[0]]) if rows.size else 0
+        return rows, keep
 
     seg_bands, lengths, run_rows = [], [], []
     for group in range(1 << len(axes)):
@@ -1151,16 +1179,16 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
         elif passes and passes[0][0] == a + 1 and n_inner == 3 and _is_rows3(passes[0][1], 1):
             # the colour axis comes next: its 3x3 product rides on this pass. At most one thread per outer
             # row, so _run_split never splits the 3 channels apart.
-            args = (mat, p.start, p.width, passes.pop(0)[1].matrix.astype(wdt))
+            args = (mat, p.kinds, passes.pop(0)[1].matrix.astype(wdt))
             src, dst = cur.reshape(n_outer, length, 3), out.reshape(n_outer, p.kept, 3)
             _run_split(_forward_tiled_colour, src, dst, args, min(threads, n_outer))
         elif _is_rows8(p, n_inner):
             _run_split(_forward_rows8, cur.reshape(n_outer, length), out.reshape(n_outer, p.kept),
-                       (mat, p.start, p.width), threads)
+                       (mat, p.kinds), threads)
         else:
             kernel = _forward_tiled if _tiled(length, n_inner) else _forward_3d
             src, dst = cur.reshape(n_outer, length, n_inner), out.reshape(n_outer, p.kept, n_inner)
-            _run_split(kernel, src, dst, (mat, p.start, p.width), threads)
+            _run_split(kernel, src, dst, (mat, p.kinds), threads)
         cur = out
     return cur
 
@@ -1242,7 +1270,7 @@ def _inverse_passes(shape, axes, block, keep, mask, dtype_str: str, threads: int
         else:
             lo, hi, is_int = wdt.type(0), wdt.type(0), False  # float64 would widen _store's result: rows8 1.4x slower
         mat = p.matrix.astype(wdt)
-        args = (mat, p.block_rows, lo, hi, is_int)
+        args = (mat, p.kinds, lo, hi, is_int)
         if a == colour_axis and _is_rows8(p, 1) and channels_first and a > 0:  # 2-D: channels-first is as stored
             rows = math.prod(shape[1:a])
             kernel, src_view, dst_view = _inverse_rows3x8_planar, (shape[0], rows, 3 * kept), (shape[0], 3, rows, p.length)
@@ -1508,18 +1536,26 @@ class BandMajor:
         return self.to[np.clip(own, 0, self.to.size - 1)]
 
 
+# Working out a band-major decode lists every value's place (about 40 bytes a value at its peak, a quarter of
+# that kept with the plan): nothing for the slabs of a quarter million values chunks are cut into, 1.5 GB for a
+# slab that cannot be cut, such as a (1, 4, 10M) field's one sample (axis 1 a single block, no strips). Such
+# slabs decode through the coefficient image: 1.0 instead of 1.6 GB, 3.1 instead of 5.2 s for the first decode
+# (planning), 0.7-1.0 instead of 0.4 s for the next ones.
+BAND_MAJOR_VALUES = 1 << 22
+
+
 def band_major(plan: TransformPlan, dtype, channels_first: bool = False) -> BandMajor | None:
     """The band-major decode of slabs with ``plan`` into ``dtype`` (cached), or None where it does not apply:
-    output other than uint8 and float32, or chop (bands past ``keep`` dropped). ``channels_first``: into the
-    slab's channels-first output."""
+    output other than uint8 and float32, chop (bands past ``keep`` dropped), or a slab of more than
+    ``BAND_MAJOR_VALUES`` values. ``channels_first``: into the slab's channels-first output."""
     return _band_major(plan.shape, plan.axes, plan.block, plan.keep, plan.mask, np.dtype(dtype).str,
                        channels_first)
 
 
 def _axis_block(p: AxisPlan, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(matrix rows, block_rows for one block) of the blocks of ``width`` samples along an axis keeping all bands."""
-    r0 = int(p.block_rows[p.block_rows[:, 3] == width][0, 0])
-    return p.matrix[r0 : r0 + width], np.array([[0, width, 0, width]])
+    """(matrix rows, kinds of one block) of the blocks of ``width`` samples along an axis keeping all bands."""
+    m0 = int(p.kinds[p.kinds[:, 3] == width][0, 5])
+    return p.matrix[m0 : m0 + width], np.array([[0, width, 0, width, 1, 0]])
 
 
 @lru_cache(maxsize=16)
@@ -1528,7 +1564,7 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
 
     plan = _plan(shape, axes, block, keep, mask)
     dtype = np.dtype(dtype_str)
-    if dtype not in (np.uint8, np.float32) or keep != block:
+    if dtype not in (np.uint8, np.float32) or keep != block or math.prod(shape) > BAND_MAJOR_VALUES:
         return None
     if plan.n_values != math.prod(shape):  # a triangle mask: its runs are some of the square mask's
         square = _band_major(shape, axes, block, keep, "square", dtype_str, channels_first)
@@ -1547,7 +1583,7 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
     order, colour_plan, colour_axis = _pass_order(plan, 1)
     index, seg_starts = plan.index, plan.runs.seg_starts  # a slab's: small
     run_coords = np.unravel_index(index[seg_starts[:-1]], plan.coefficient_shape)  # each run's first value
-    kinds = np.stack([p.width[run_coords[a]] for a, p in zip(axes, plan.axis_plans)], axis=1)  # its block's shape
+    kinds = np.stack([p.row_widths(run_coords[a]) for a, p in zip(axes, plan.axis_plans)], axis=1)  # its block's shape
     bounds = [0, *(np.flatnonzero(np.any(np.diff(kinds, axis=0), axis=1)) + 1), kinds.shape[0]]
     groups, to, at = [], np.empty(seg_starts.size - 1, np.int64), 0
     for r0, r1 in itertools.pairwise(bounds):  # a block group's runs: one per band, in C order

@@ -293,11 +293,29 @@ def test_blocks_of_8_run_all_their_passes_in_one_kernel(shape, axes, block, one_
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "float64"),
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "uint16"),
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (6, 6, 3), "square", "uint8"),  # bands dropped: chop
+    ((1, 4, (1 << 20) + 3), (1, 2), 8, 8, "square", "float32"),  # a slab too big to list its values' places
 ])
 def test_band_major_only_where_it_applies(shape, axes, block, keep, mask, dtype):
     from dctchop.transform import band_major
 
     assert band_major(make_plan(shape, axes, block, keep, mask), dtype) is None
+
+
+def test_a_long_sample_decodes_through_the_coefficient_image(monkeypatch):
+    """A sample that no slab can cut (axis 1 one block, so no strips) is past band-major's limit: decoded through
+    the coefficient image, the same data."""
+    from dctchop import transform
+
+    x = np.sin(np.arange(4 * 3003, dtype=np.float32) / 50).reshape(1, 4, 3003)
+    plan = make_plan(x.shape, (1, 2), 8, 8)
+    blob = encode_chunk(x, ChunkSettings((1, 2), (8, 8), (8, 8), precision="int16", target_psnr=60.0))
+    with_band_major = decode_chunk(blob, x.shape, x.dtype)
+    assert transform.band_major(plan, np.float32) is not None
+    monkeypatch.setattr(transform, "BAND_MAJOR_VALUES", x.size - 1)
+    transform.forget_plans()
+    assert len(transform.slabs(plan, SLAB_VALUES)) == 1 and transform.band_major(plan, np.float32) is None
+    np.testing.assert_array_equal(decode_chunk(blob, x.shape, x.dtype), with_band_major)
+    transform.forget_plans()
 
 
 @settings(deadline=None, max_examples=40)  # the first example of each dtype compiles the kernel

@@ -69,7 +69,7 @@ def _numba_rgb8(src: np.ndarray, n_blocks: int, dtype) -> np.ndarray:
     x = np.ascontiguousarray(src[:, :n_blocks]).reshape(8, 24 * n_blocks)
     by_h = np.empty_like(x)
     zero = F32(0)
-    transform._inverse_3d(x.reshape(1, 8, -1), by_h.reshape(1, 8, -1), DCT8, np.array([[0, 8, 0, 8]]), zero, zero,
+    transform._inverse_3d(x.reshape(1, 8, -1), by_h.reshape(1, 8, -1), DCT8, np.array([[0, 8, 0, 8, 1, 0]]), zero, zero,
                           False)
     out = np.empty((8, 8, 3, n_blocks), dtype)
     hi = F32(255 if dtype == np.uint8 else 0)
@@ -85,10 +85,10 @@ def _numba_grey(widths):
         x = np.ascontiguousarray(src[:, :n_blocks]).reshape(h, w, n_blocks)
         by_w = np.empty_like(x)
         zero = F32(0)
-        transform._inverse_3d(x, by_w, matrix[w], np.array([[0, w, 0, w]]), zero, zero, False)
+        transform._inverse_3d(x, by_w, matrix[w], np.array([[0, w, 0, w, 1, 0]]), zero, zero, False)
         out = np.empty((h, w, n_blocks), dtype)
         hi = F32(255 if dtype == np.uint8 else 0)
-        transform._inverse_3d(by_w.reshape(1, h, -1), out.reshape(1, h, -1), matrix[h], np.array([[0, h, 0, h]]),
+        transform._inverse_3d(by_w.reshape(1, h, -1), out.reshape(1, h, -1), matrix[h], np.array([[0, h, 0, h, 1, 0]]),
                               zero, hi, dtype == np.uint8)
         return out.reshape(h * w, n_blocks)
 

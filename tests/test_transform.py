@@ -260,7 +260,7 @@ def test_a_long_axis_with_a_short_inner_extent_skips_the_tile_buffers(monkeypatc
     np.testing.assert_allclose(back, reference_inverse(ref, shape, axes, block, keep, "square"), rtol=0, atol=1e-9)
     assert tiled and all(s[1] <= transform.TILED_LENGTH for s in tiled)  # only the short axis 1
     (full, rest), b, k = divmod(shape[0], block[0]), block[0], keep[0]
-    assert transform.axis_plan(shape[0], b, k).block_rows[-1].tolist() == [full * k, -(-rest * k // b), full * b, rest]
+    assert transform.axis_plan(shape[0], b, k).edge == (full * k, -(-rest * k // b), full * b, rest)
 
 
 def test_band_zero_of_all_full_blocks_comes_first():
@@ -331,6 +331,46 @@ def test_ratio_28x28_block8_keep4():
     assert compress_array(x, plan).size == 196
     stack = make_plan((5, 28, 28), (1, 2), 8, 4)
     assert stack.n_values == 5 * 196
+
+
+@HYP
+@given(length=st.integers(0, 200), block=st.integers(2, 64), data=st.data())
+def test_axis_plan_rows_match_a_block_by_block_listing(length, block, data):
+    """The axis plan's two kinds of block describe every block: listed one by one, each block's rows, bands,
+    widths and keep are the plan's."""
+    keep = data.draw(st.integers(1, block))
+    p = transform.axis_plan(length, block, keep)
+    listing = []  # (row, band, block's first sample, width, keep) for every kept row
+    for first in range(0, length, block):
+        w = min(block, length - first)
+        k = keep if w == block else _ceil_div(w * keep, block)
+        listing += [(len(listing) + band, band, first, w, k) for band in range(k)]
+    assert p.kept == len(listing) == _ceil_div(length * keep, block)
+    rows = np.arange(p.kept)
+    assert p.row_widths(rows).tolist() == [w for *_, w, _ in listing]
+    for edge, band in itertools.product((False, True), range(block)):
+        expected = [r for r, b, _, w, _ in listing if b == band and (w != block) == edge]
+        got, k = p.band_rows(edge, band)
+        assert got.tolist() == expected
+        assert k == (next(k for _, _, _, w, k in listing if (w != block) == edge) if expected else 0)
+    whole = [row for row in listing if row[3] == block]
+    assert p.edge == next(((r, k, s, w) for r, _, s, w, k in listing if w != block), None)
+    for r, band, first, w, _ in listing:  # the DCT row each kernel takes for the row: kind's first row + band
+        m0 = p.kinds[0 if whole and r < len(whole) else -1, 5]
+        np.testing.assert_allclose(p.matrix[m0 + band], np.pad(scipy_dct_rows(w)[band], (0, block - w)), atol=1e-12)
+
+
+def scipy_dct_rows(n: int) -> np.ndarray:
+    return scipy.fft.dct(np.eye(n), axis=0, norm="ortho")
+
+
+def test_a_long_axis_plans_in_constant_space():
+    """A plan is sized by its kinds of block, not by the axis: with the DCT rows of every block, a (1, 4, 10M)
+    field took 2.4 GB just to open its store."""
+    plan = make_plan((1, 4, 10_000_003), (1, 2), 8, 8)
+    p = plan.axis_plans[1]
+    assert p.kept == 10_000_003 and p.edge == (10_000_000, 3, 10_000_000, 3)
+    assert p.matrix.nbytes + p.kinds.nbytes < 1000
 
 
 @HYP
@@ -550,8 +590,8 @@ def test_row_kernels_equal_the_tiled_kernels(length, rows, dtype):
     mat = p.matrix.astype(wdt)
     src = x.astype(wdt)
     fast, tiled = np.empty((rows, p.kept), wdt), np.empty((rows, p.kept, 1), wdt)
-    transform._forward_rows8(src, fast, mat, p.start, p.width)
-    transform._forward_tiled(src.reshape(rows, length, 1), tiled, mat, p.start, p.width)
+    transform._forward_rows8(src, fast, mat, p.kinds)
+    transform._forward_tiled(src.reshape(rows, length, 1), tiled, mat, p.kinds)
     np.testing.assert_array_equal(fast, tiled[..., 0])
     coefficients = fast * 3  # pushes integer reconstructions past their range
     limits = (0.0, 0.0, False)
@@ -559,8 +599,8 @@ def test_row_kernels_equal_the_tiled_kernels(length, rows, dtype):
         limits = (float(np.iinfo(x.dtype).min), float(np.iinfo(x.dtype).max), True)
     out_dtype = x.dtype if x.dtype.kind in "iu" else wdt
     fast_out, tiled_out = np.empty((rows, length), out_dtype), np.empty((rows, length, 1), out_dtype)
-    transform._inverse_rows8(coefficients, fast_out, mat, p.block_rows, *limits)
-    transform._inverse_tiled(coefficients.reshape(rows, p.kept, 1), tiled_out, mat, p.block_rows, *limits)
+    transform._inverse_rows8(coefficients, fast_out, mat, p.kinds, *limits)
+    transform._inverse_tiled(coefficients.reshape(rows, p.kept, 1), tiled_out, mat, p.kinds, *limits)
     np.testing.assert_array_equal(fast_out, tiled_out[..., 0])
 
 
@@ -580,13 +620,13 @@ def test_colour_row_kernel_equals_the_tiled_kernel(n_outer, dtype, width):
     if dtype.kind in "iu":
         limits = (np.float32(np.iinfo(dtype).min), np.float32(np.iinfo(dtype).max), True)
     rows, tiled = np.empty((n_outer, 3 * width), dtype), np.empty((n_outer, width, 3), dtype)
-    transform._inverse_rows3x8(coefficients.reshape(n_outer, -1), rows, colour, mat, p.block_rows, *limits)
-    transform._inverse_tiled_rows3(coefficients, tiled, colour, mat, p.block_rows, *limits)
+    transform._inverse_rows3x8(coefficients.reshape(n_outer, -1), rows, colour, mat, p.kinds, *limits)
+    transform._inverse_tiled_rows3(coefficients, tiled, colour, mat, p.kinds, *limits)
     np.testing.assert_array_equal(rows.reshape(tiled.shape), tiled)
     samples = 5 if n_outer % 5 == 0 else 1  # 150 rows: 5 samples of 30; 5 rows: 1 sample
     channels_first = np.empty((samples, 3, n_outer // samples, width), dtype)
     transform._inverse_rows3x8_planar(coefficients.reshape(samples, n_outer // samples, -1), channels_first, colour,
-                                      mat, p.block_rows, *limits)
+                                      mat, p.kinds, *limits)
     np.testing.assert_array_equal(channels_first.transpose(0, 2, 3, 1).reshape(rows.shape), rows)
 
 
