@@ -19,7 +19,9 @@ The original comes from the input the store records (``attrs["dctchop"]["source"
 read one stored chunk at a time.
 
 The PNG has a fixed size: :data:`WIDTH_PX` wide, :data:`HEADER_PX` + :data:`ROW_PX` per sample high
-(:data:`DPI` dots per inch, a power of two, so the pixel size is exact).
+(:data:`DPI` dots per inch, a power of two, so the pixel size is exact). A picture at least twice its panel's
+size is drawn reduced by :func:`fit_panel` (block means; block maxima for the error map); titles and colour
+scales come from the full-resolution data.
 
 Plotting needs matplotlib (the ``plot`` extra); it is imported only when a picture is drawn.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -305,6 +308,31 @@ COLUMNS = {True: (24, 304, 648), False: (44, 358, 672)}
 CBAR_W, CBAR_GAP = 12, 8
 
 
+def fit_panel(pic: np.ndarray, aspect: str, how: str = "mean") -> np.ndarray:
+    """``pic`` (rows x cols [x 3]) reduced by whole blocks of pixels to no fewer than its panel shows
+    (:data:`PANEL_W` x :data:`PANEL_H`, square pixels unless ``aspect`` is ``"auto"``): each block's mean, or
+    with ``how="max"`` its max, so that one bad pixel of an error map stays visible. matplotlib colour-maps
+    every pixel it is given before resampling to the panel, which made a big picture's preview slow and
+    gigabytes large. A picture that fits its panel is returned as it is; a last block may be partial."""
+    rows, cols = pic.shape[:2]
+    if aspect == "auto":
+        factors = (max(1, rows // PANEL_H), max(1, cols // PANEL_W))
+    else:
+        factors = (max(1, rows // PANEL_H, cols // PANEL_W),) * 2
+    reduce = np.max if how == "max" else partial(np.mean, dtype=np.float64)
+    for axis, f in enumerate(factors):
+        if f == 1:
+            continue
+        n = pic.shape[axis]
+        # whole blocks by a reshape (numpy's reduceat is ten times slower along the rows), then the rest
+        head, tail = np.split(pic, [n // f * f], axis=axis)
+        parts = [reduce(head.reshape(pic.shape[:axis] + (n // f, f) + pic.shape[axis + 1 :]), axis=axis + 1)]
+        if tail.shape[axis]:
+            parts.append(reduce(tail, axis=axis, keepdims=True))
+        pic = np.concatenate(parts, axis=axis)
+    return pic
+
+
 def _colorbar(fig, ax, mappable, fig_h: int, fontsize: float):
     """A colour bar hugging the right edge of ``ax``'s image, exactly as tall as it."""
     ax.apply_aspect()
@@ -327,26 +355,30 @@ def draw(rows: list[Row], view: View, dtype: np.dtype, header: tuple[str, str], 
     data_bar = view.kind == "field" or (view.rgb_axis is None and dtype != np.uint8)
     for r, row in enumerate(rows):
         top = HEADER_PX + r * ROW_PX + TITLE_H - 14
+        # colour scales, the error and the drawing's choices from the full-resolution pictures
         lo, hi, cmap = _display_range(row.original, dtype, view.kind)
-        err = np.abs(row.decoded.astype(np.float64) - row.original.astype(np.float64))
+        err = np.subtract(row.decoded, row.original, dtype=np.result_type(dtype, np.float32))
+        np.abs(err, out=err)
         if view.rgb_axis is not None:
             err = err.max(axis=-1)
+        err_max = float(err.max()) or 1.0
         interp = "nearest" if max(row.original.shape[:2]) <= PANEL_H else "antialiased"
         h, w = row.original.shape[:2]  # square pixels, unless the picture would thin to a line
         aspect = "auto" if max(h, w) > MAX_ELONGATION * min(h, w) else "equal"
+        pictures = (fit_panel(row.original, aspect), fit_panel(row.decoded, aspect),
+                    fit_panel(err, aspect, "max"))
         label = f"sample {row.index}" if view.sample_axis == 0 else "whole array"
         titles = (f"{label}: original", f"decoded: PSNR {_fmt(row.psnr)} dB",
                   f"|error| (sample max {_num(row.max_abs_error)})")
         images = []
-        for c, (x0, pic) in enumerate(zip(COLUMNS[data_bar], (row.original, row.decoded, err))):
+        for c, (x0, pic) in enumerate(zip(COLUMNS[data_bar], pictures)):
             ax = fig.add_axes(_px(height, x0, top, PANEL_W, PANEL_H))
             if c < 2 and view.rgb_axis is not None:
                 im = ax.imshow(_rgb(pic, lo, hi), interpolation=interp, aspect=aspect)
             elif c < 2:
                 im = ax.imshow(pic, cmap=cmap, vmin=lo, vmax=hi, interpolation=interp, aspect=aspect)
             else:
-                vmax = float(err.max()) if err.max() > 0 else 1.0
-                im = ax.imshow(err, cmap="inferno", vmin=0, vmax=vmax, interpolation=interp, aspect=aspect)
+                im = ax.imshow(pic, cmap="inferno", vmin=0, vmax=err_max, interpolation=interp, aspect=aspect)
             ax.set_xticks([])
             ax.set_yticks([])
             for spine in ax.spines.values():
