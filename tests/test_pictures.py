@@ -448,6 +448,18 @@ def test_fit_panel_leaves_a_small_picture_as_it_is(shape, aspect):
     assert fit_panel(pic, aspect) is pic and fit_panel(pic, aspect, "max") is pic
 
 
+def test_error_sums_go_by_slabs_to_the_whole_sample_s(monkeypatch):
+    import dctchop.preview as pv
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 256, (7, 333, 3), dtype=np.uint8)
+    y = rng.integers(0, 256, (7, 333, 3), dtype=np.uint8)
+    d = y.astype(np.float64) - x
+    monkeypatch.setattr(pv, "SLAB", 1000)  # 7 slabs, the last partial
+    sse, max_err = pv._errors(x, y)
+    assert sse == pytest.approx(float(np.sum(d * d)), rel=1e-12) and max_err == np.abs(d).max()
+
+
 def test_indices():
     assert check_indices([], 1280, "a") == [0, 426, 853, 1279]
     assert check_indices(None, 2, "a") == [0, 1]
