@@ -628,24 +628,17 @@ def _numeric_class(ds) -> bool:
     return ds.id.get_type().get_class() in (h5t.INTEGER, h5t.FLOAT)
 
 
-def read_hdf5(
-    file: str, name: str, dtype: np.dtype, shape: tuple[int, ...], start: int, stop: int
-) -> np.ndarray:
-    """Rows ``[start, stop)`` of dataset ``name`` as a fresh C-contiguous array of ``dtype``.
+def _read_rows(file: str, name: str, ds, start: int, stop: int, out: np.ndarray) -> None:
+    """Read rows ``[start, stop)`` of ``ds`` (of an array, or the elements of a scalar's array datatype) into
+    ``out``.
 
     HDF5 converts the byte order of integers and floats while reading (``read_direct`` into a native
     buffer), so big-endian numbers cost no extra copy. Other types are read as h5py types them and copied:
     HDF5 has no conversion from a UTF-8 string or a bitfield to the plain numpy dtype of ``out``.
     """
-    handle = cached_handle(file, _Handle)
-    ds = handle.dataset(name, shape, dtype)
-    out_shape = (stop - start,) + tuple(shape[1:]) if shape else ()
-    out = np.empty(out_shape, dtype=dtype)
-    if out.size == 0:
-        return out
     try:
         if not ds.shape:  # a scalar; of an HDF5 array datatype, its array is the shape read here
-            out[...] = ds[()][start:stop] if shape else ds[()]
+            out[...] = ds[()][start:stop] if out.ndim else ds[()]
         elif ds.dtype.subdtype is None and _numeric_class(ds):
             ds.read_direct(out, source_sel=np.s_[start:stop])
         else:  # strings, bitfields, compounds, ...; and HDF5 array datatypes, whose shape read_direct cannot fill
@@ -654,4 +647,16 @@ def read_hdf5(
         raise DctchopError(
             f"{file}: cannot read dataset {name} rows {start}:{stop} ({first_line(exc)})"
         ) from None
+
+
+def read_hdf5(
+    file: str, name: str, dtype: np.dtype, shape: tuple[int, ...], start: int, stop: int
+) -> np.ndarray:
+    """Rows ``[start, stop)`` of dataset ``name`` as a fresh C-contiguous array of ``dtype``."""
+    handle = cached_handle(file, _Handle)
+    ds = handle.dataset(name, shape, dtype)
+    out = np.empty((stop - start,) + tuple(shape[1:]) if shape else (), dtype=dtype)
+    if out.size == 0:
+        return out
+    _read_rows(file, name, ds, start, stop, out)
     return out
