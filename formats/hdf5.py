@@ -19,8 +19,10 @@ datatype ``(n,) x f4[3]`` is a ``(n, 3)`` float32 array.
 
 from __future__ import annotations
 
+import math
 import os
 import posixpath
+import threading
 from functools import cache
 from typing import NamedTuple
 
@@ -39,7 +41,7 @@ from dctchop.formats import (
 )
 from dctchop.location import absolute_path
 
-__all__ = ["open_hdf5", "read_hdf5"]
+__all__ = ["READ_BUDGET", "open_hdf5", "read_hdf5", "span_length"]
 
 _MAX_LISTED = 20  # datasets listed in a "no such dataset" message
 DCT_BLOCK = 8  # the default block: a per-sample table narrower than this has no image in it
@@ -590,13 +592,59 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
                   dropped_links=dropped_links)
 
 
+READ_BUDGET = 256 << 20
+"""Bytes of decompressed samples a process keeps between slab reads of one file (:func:`span_length`)."""
+
+
+def span_length(shape: tuple[int, ...], chunks: tuple[int, ...] | None, itemsize: int) -> int | None:
+    """The length along axis 0 of the spans that slab reads of a dataset go through, or None: read directly.
+
+    HDF5 decompresses a chunk whole to read any part of it and keeps only 1 MB of them between reads. A slab
+    that cuts through a row of chunks (those at the same place along axis 0) left the rest of the row to the
+    next slabs, and each decompressed it again: with chunks of (N, 1, 32) over N = 400000 samples, the whole
+    dataset once per slab, 98 times. So the part of a slab that cuts through a row is taken from a span, the
+    whole row read once and kept (:meth:`_Handle.span`); the whole rows inside a slab are read directly.
+
+    A row of more than :data:`READ_BUDGET` bytes is not held whole: its spans are READ_BUDGET bytes of
+    samples each, and reading one decompresses every chunk of the row it crosses. Memory stays bounded, and
+    such a dataset costs one decompression of the row per READ_BUDGET bytes of its samples (2 for the 400 MB
+    above), so its time grows with the square of its length; rechunking the file (``h5repack -l``) avoids it.
+    Datasets without chunks (contiguous, compact, virtual) have no rows to cut.
+    """
+    if chunks is None:
+        return None
+    sample = math.prod(shape[1:]) * itemsize
+    if chunks[0] * sample <= READ_BUDGET:
+        return chunks[0]
+    return max(1, READ_BUDGET // sample)
+
+
+def _pieces(start: int, stop: int, length: int, span: int) -> list[tuple[int, int, int | None]]:
+    """Rows ``[start, stop)`` of an axis of ``length`` cut at the spans (``[i * span, (i + 1) * span)``):
+    ``(lo, hi, i)`` for a part of span ``i`` that the read does not cover whole, to take from it; ``(lo, hi,
+    None)`` for the whole spans between, to read directly."""
+    first, last = start // span, (stop - 1) // span
+    head, tail = start % span != 0, stop != min(last * span + span, length)
+    if first == last and (head or tail):
+        return [(start, stop, first)]
+    pieces = [(start, first * span + span, first)] if head else []
+    lo, hi = first * span + span if head else start, last * span if tail else stop
+    if lo < hi:
+        pieces.append((lo, hi, None))
+    if tail:
+        pieces.append((last * span, stop, last))
+    return pieces
+
+
 class _Handle:
-    """This process's open file plus the datasets already looked up in it."""
+    """This process's open file, the datasets already looked up in it and the spans kept from them."""
 
     def __init__(self, file: str):
         self.file = file
         self.h5 = _open_file(file)
         self.datasets: dict[str, object] = {}
+        self.lock = threading.Lock()  # one thread reads a span, the others wanting it wait for it
+        self.kept: dict[tuple[str, int], np.ndarray] = {}  # (dataset, span index) -> its rows, oldest first
 
     def dataset(self, name: str, shape, dtype):
         ds = self.datasets.get(name)
@@ -614,8 +662,30 @@ class _Handle:
             self.datasets[name] = ds
         return ds
 
+    def span(self, name: str, ds, index: int, span: int, dtype, shape) -> np.ndarray:
+        """Rows ``[index * span, (index + 1) * span)`` of dataset ``name``, read on the first call and kept for
+        the next ones. Spans are kept, the oldest dropped first, up to :data:`READ_BUDGET` bytes in all: the
+        threads of a Dask worker each read their own stretch of slabs, in turns."""
+        with self.lock:
+            rows = self.kept.pop((name, index), None)
+            if rows is None:
+                lo, hi = index * span, min(index * span + span, shape[0])
+                size = (hi - lo) * math.prod(shape[1:]) * dtype.itemsize
+                while self.kept and sum(r.nbytes for r in self.kept.values()) + size > READ_BUDGET:
+                    del self.kept[next(iter(self.kept))]
+                rows = np.empty((hi - lo, *shape[1:]), dtype=dtype)
+                _read_rows(self.file, name, ds, lo, hi, rows)
+            self.kept[(name, index)] = rows
+            return rows
+
+    def release(self, name: str, index: int) -> None:
+        """Drop span ``index`` of ``name``: a read took its last row, the reads after it need the next span."""
+        with self.lock:
+            self.kept.pop((name, index), None)
+
     def close(self) -> None:
         self.datasets.clear()
+        self.kept.clear()
         try:
             self.h5.close()
         except _H5_ERRORS:  # pragma: no cover - closing must never raise
@@ -652,11 +722,27 @@ def _read_rows(file: str, name: str, ds, start: int, stop: int, out: np.ndarray)
 def read_hdf5(
     file: str, name: str, dtype: np.dtype, shape: tuple[int, ...], start: int, stop: int
 ) -> np.ndarray:
-    """Rows ``[start, stop)`` of dataset ``name`` as a fresh C-contiguous array of ``dtype``."""
+    """Rows ``[start, stop)`` of dataset ``name`` as a fresh C-contiguous array of ``dtype``.
+
+    Slabs read in order decompress each chunk once, however they cut its rows, as long as a row of chunks
+    fits in :data:`READ_BUDGET` (see :func:`span_length`).
+    """
     handle = cached_handle(file, _Handle)
     ds = handle.dataset(name, shape, dtype)
     out = np.empty((stop - start,) + tuple(shape[1:]) if shape else (), dtype=dtype)
     if out.size == 0:
         return out
-    _read_rows(file, name, ds, start, stop, out)
+    span = span_length(shape, ds.chunks, dtype.itemsize) if ds.shape else None
+    if span is None:
+        _read_rows(file, name, ds, start, stop, out)
+        return out
+    for lo, hi, index in _pieces(start, stop, shape[0], span):
+        if index is None:
+            _read_rows(file, name, ds, lo, hi, out[lo - start : hi - start])
+            continue
+        first = index * span
+        rows = handle.span(name, ds, index, span, dtype, shape)
+        out[lo - start : hi - start] = rows[lo - first : hi - first]
+        if hi == min(first + span, shape[0]):
+            handle.release(name, index)
     return out

@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import FrozenInstanceError
 
 import h5py
@@ -861,6 +862,151 @@ def test_virtual_dataset_source_found_where_hdf5_looks_first(tmp_path, monkeypat
     (v,) = open_source(tmp_path / "d" / "vds.h5", follow_external=True).lossy
     np.testing.assert_array_equal(v.read(), np.arange(12.0).reshape(3, 4))
     close_all()
+
+
+# --------------------------------------------------------------------------------------------------------
+# HDF5 chunks that slabs cut: each row of chunks read once
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hdf5_reads(monkeypatch):
+    """The rows ``(start, stop)`` of every read h5py is asked for, in order."""
+    reads = []
+    read_direct, getitem = h5py.Dataset.read_direct, h5py.Dataset.__getitem__
+
+    def direct(ds, dest, source_sel=None, dest_sel=None):
+        reads.append((source_sel.start, source_sel.stop))
+        return read_direct(ds, dest, source_sel, dest_sel)
+
+    def item(ds, args, **kwargs):
+        if isinstance(args, slice):
+            reads.append((args.start, args.stop))
+        return getitem(ds, args, **kwargs)
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", direct)
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", item)
+    return reads
+
+
+def _chunked(path, x, chunks, compression=None):
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=x, chunks=chunks, compression=compression)
+    return open_source(path, lossless=["x"] if x.dtype.names else ()).arrays[0]
+
+
+def _kept(path):
+    """The spans the file's handle keeps between reads."""
+    (handle,) = [h for (pid, p), (_, h) in _HANDLES.items() if p == str(path) and pid == os.getpid()]
+    return handle.kept
+
+
+def test_hdf5_span_length():
+    from dctchop.formats.hdf5 import READ_BUDGET, span_length
+
+    assert span_length((400000, 32, 32), None, 1) is None  # contiguous: nothing decompressed twice
+    assert span_length((400000, 32, 32), (25000, 2, 2), 1) == 25000  # h5py's chunks=True: one row of 25 MB
+    assert span_length((100000, 32, 32), (100000, 1, 32), 1) == 100000  # every sample in one 100 MB row
+    # a 400 MB row is more than the budget: spans of 256 MB, each decompressing the row once
+    assert READ_BUDGET == 256 << 20
+    assert span_length((400000, 32, 32), (400000, 1, 32), 1) == 262144
+    assert span_length((3, 1 << 15, 1 << 15), (3, 64, 64), 4) == 1  # one sample beyond the budget
+
+
+@pytest.mark.parametrize(
+    "shape, chunks, compression, dtype",
+    [
+        ((40, 6, 8), (40, 1, 8), "gzip", "u1"),  # chunks across all samples
+        ((40, 6, 8), (7, 3, 5), None, ">f4"),  # rows that slabs of 5 cut, big-endian
+        ((40, 4, 6, 3), (16, 2, 2, 3), "gzip", "<i2"),  # a 4-D stack
+        ((40, 3), (40, 3), "gzip", [("a", "<i4"), ("b", ">f8")]),  # records, read through h5py's getitem
+    ],
+)
+def test_hdf5_slabs_in_order_read_chunk_rows_once(tmp_path, hdf5_reads, shape, chunks, compression, dtype):
+    """HDF5 decompresses a chunk whole for any part of it: slabs of 5 samples through chunks of 40 along axis 0
+    decompressed each chunk 8 times, once per slab (a compress of 400000 such samples took 27 s, not 3)."""
+    x = np.random.default_rng(0).integers(0, 100, shape).astype(dtype)
+    a = _chunked(tmp_path / "c.h5", x, chunks, compression)
+    got = np.concatenate([a.read(s, s + 5) for s in range(0, 40, 5)])
+    np.testing.assert_array_equal(got, x)
+    c0 = chunks[0]
+    for row in range(-(-40 // c0)):
+        touching = [(lo, hi) for lo, hi in hdf5_reads if lo < (row + 1) * c0 and hi > row * c0]
+        assert len(touching) == 1, (row, hdf5_reads)
+    assert _kept(tmp_path / "c.h5") == {}  # each span was dropped once a read took its last row
+
+
+def test_hdf5_slabs_read_in_turns_from_two_stretches_read_each_row_once(tmp_path, hdf5_reads, monkeypatch):
+    """Dask's threads each encode a stretch of consecutive chunks, so one process reads slabs from several
+    places in turns: the spans of each are kept (up to READ_BUDGET in all), not read again for the other's."""
+    from dctchop.formats import hdf5
+
+    x = np.random.default_rng(4).integers(0, 255, (40, 6, 8), dtype=np.uint8)
+    a = _chunked(tmp_path / "t.h5", x, (10, 6, 8), "gzip")
+    turns = [(s, s + 4) for s in range(0, 20, 4)]
+    turns = [r for pair in zip(turns, [(s + 20, e + 20) for s, e in turns]) for r in pair]
+    for start, stop in turns:
+        np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
+    assert sorted(hdf5_reads) == [(0, 10), (10, 20), (20, 30), (30, 40)]
+    hdf5_reads.clear()
+    monkeypatch.setattr(hdf5, "READ_BUDGET", 10 * 48)  # room for one span: the oldest is dropped
+    for start, stop in [(1, 3), (21, 23), (3, 5)]:
+        np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
+    assert hdf5_reads == [(0, 10), (20, 30), (0, 10)] and list(_kept(tmp_path / "t.h5")) == [("/x", 0)]
+
+
+@pytest.mark.parametrize("chunks", [None, (5, 6, 8), (1, 6, 8)])
+def test_hdf5_slabs_of_whole_rows_are_read_directly(tmp_path, hdf5_reads, chunks):
+    """Contiguous data, and slabs made of whole rows of chunks, are read straight into the result."""
+    x = np.arange(40 * 48, dtype=np.uint16).reshape(40, 6, 8)
+    a = _chunked(tmp_path / "d.h5", x, chunks)
+    for s in range(0, 40, 10):
+        np.testing.assert_array_equal(a.read(s, s + 10), x[s : s + 10])
+    assert hdf5_reads == [(s, s + 10) for s in range(0, 40, 10)]
+    assert _kept(tmp_path / "d.h5") == {}
+
+
+def test_hdf5_a_row_beyond_the_budget_is_read_in_spans_of_the_budget(tmp_path, hdf5_reads, monkeypatch):
+    """Memory stays bounded when one row of chunks is larger than READ_BUDGET: spans of READ_BUDGET bytes,
+    each read once, each decompressing the row again."""
+    from dctchop.formats import hdf5
+
+    monkeypatch.setattr(hdf5, "READ_BUDGET", 10 * 48)  # 10 samples of 6 x 8 bytes
+    x = np.random.default_rng(1).integers(0, 255, (40, 6, 8), dtype=np.uint8)
+    a = _chunked(tmp_path / "b.h5", x, (40, 1, 8), "gzip")
+    got = [a.read(s, s + 4) for s in range(0, 40, 4)]
+    np.testing.assert_array_equal(np.concatenate(got), x)
+    assert hdf5_reads == [(0, 10), (10, 20), (20, 30), (30, 40)]
+    assert _kept(tmp_path / "b.h5") == {}
+
+
+@pytest.mark.parametrize("chunks", [(40, 1, 8), (7, 3, 5), (16, 6, 8)])
+def test_hdf5_slabs_in_any_order_and_from_threads_read_right(tmp_path, chunks):
+    x = np.random.default_rng(2).standard_normal((40, 6, 8)).astype(np.float32)
+    a = _chunked(tmp_path / "r.h5", x, chunks, "gzip")
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        start = int(rng.integers(0, 40))
+        stop = int(rng.integers(start, 41))
+        np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
+    slabs = [(s, min(s + 3, 40)) for s in range(0, 40, 3)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda r: a.read(*r), slabs * 3))
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate([x] * 3))
+
+
+def test_hdf5_a_change_is_caught_when_the_rows_come_from_a_kept_span(tmp_path):
+    path = tmp_path / "s.h5"
+    x = np.arange(40 * 48, dtype=np.float32).reshape(40, 6, 8)
+    a = _chunked(path, x, (40, 1, 8))
+    np.testing.assert_array_equal(a.read(0, 4), x[:4])
+    assert list(_kept(path)) == [("/x", 0)]  # rows 4:40 are held for the next slabs
+    _chunked(tmp_path / "other.h5", -x, (40, 1, 8))
+    os.utime(tmp_path / "other.h5", ns=(10, 10))
+    os.replace(tmp_path / "other.h5", path)
+    with pytest.raises(DctchopError, match="changed since it was opened"):
+        a.read(4, 8)
+    close_all(path)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -71,6 +71,24 @@ def test_a_fast_zstd_level_changes_only_the_bytes_on_disk(tmp_path, h5_images, t
         assert fast["codec"]["step"] > default["codec"]["step"]  # coarser, for the bytes the fast level spends
 
 
+@pytest.mark.parametrize("chunks, compression", [((37, 1, 28, 3), "gzip"), ((15, 4, 4, 3), None)])
+def test_hdf5_chunks_that_slabs_cut_make_the_same_store(tmp_path, chunks, compression):
+    """Chunks across all samples, or longer than a slab and not dividing it, are read through spans of whole
+    rows of chunks: the store is the one contiguous data makes, byte for byte."""
+    x = smooth_images()
+    stores = []
+    for name, layout in (("plain", {}), ("chunked", {"chunks": chunks, "compression": compression})):
+        with h5py.File(tmp_path / f"{name}.h5", "w") as f:
+            f.create_dataset("images", data=x, **layout)
+        source = open_source(str(tmp_path / f"{name}.h5"))
+        compress(source, tmp_path / f"{name}.zarr", CompressOptions(chunk_samples=10, workers=2))
+        stores.append(tmp_path / f"{name}.zarr")
+    files = [sorted(p.relative_to(s) for p in s.rglob("c.*")) for s in stores]
+    assert files[0] == files[1] and len(files[0]) > 4
+    for key in files[0]:
+        assert (stores[0] / key).read_bytes() == (stores[1] / key).read_bytes(), key
+
+
 def test_metadata_matches_a_zarr_decode(tmp_path, h5_images):
     out = tmp_path / "out.zarr"
     summary = compress(open_source(str(h5_images)), out, CompressOptions(target=Target("psnr", 35.0),
