@@ -49,6 +49,7 @@ from dctchop.store import (
     meta_fields,
     not_as_recorded,
     not_as_written,
+    open_array,
     oversized_frame,
     unframe,
 )
@@ -210,7 +211,7 @@ def _recorded_files(root: Location, group: zarr.Group, info: dict, name: str) ->
     every DataLoader worker). Stores of format 1, whose tables are chunked otherwise, are read whole."""
     fields = [key for key in FILE_FIELDS if key in meta_fields(info)]
     try:
-        arrays = {key: group[f"{META_GROUP}/{name}/{key}"] for key in fields}
+        arrays = {key: open_array(group, root, f"{META_GROUP}/{name}/{key}") for key in fields}
     except (KeyError, ValueError, OSError):
         return lambda index: {}
     if not all(element_per_file(a) for a in arrays.values()):
@@ -605,7 +606,7 @@ class Dataset:
             raise DctchopError(f"{self.path}: the store lists no compressed array")
         self._views: dict[str, ArrayView] = {}
         for name in self.lossy_names:
-            array = self._zarr_array(group, name)
+            array = self._zarr_array(group, root, name)
             if list(array.shape) != list(info["arrays"][name]["shape"]):
                 raise DctchopError(f"{self.path}: array {name}'s metadata says shape {list(array.shape)}, the "
                                    f"store's record {info['arrays'][name]['shape']}; the store is damaged")
@@ -621,7 +622,7 @@ class Dataset:
                                f"{', '.join(self.lossy_names)}")
         self.main = self._views[main]
         for name in self.lossless_names:
-            copy = LosslessCopy(self._zarr_array(group, name), info, name)
+            copy = LosslessCopy(self._zarr_array(group, root, name), info, name)
             checks = lossless_checks(info, name)
             if mismatch := not_as_recorded(copy, checks):
                 raise DctchopError(f"{self.path}: array {name}: {mismatch}; the store is damaged")
@@ -630,9 +631,9 @@ class Dataset:
             self._views[name] = ArrayView(reader, None, self._threads, self.path)
         _check_same_store(root, identity)  # what was read of it at open is the opened store's
 
-    def _zarr_array(self, group: zarr.Group, name: str) -> zarr.Array:
+    def _zarr_array(self, group: zarr.Group, root: Location, name: str) -> zarr.Array:
         try:
-            array = group[name]
+            array = open_array(group, root, name)
         except KeyError:
             raise DctchopError(f"{self.path}: array {name} is listed in the store's attributes but missing; "
                                "the store is damaged") from None

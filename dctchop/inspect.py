@@ -21,10 +21,10 @@ from dctchop.store import (
     _chunk_ranges,
     array_bytes,
     array_problems,
-    chunk_metadata,
+    check_array,
     group_problems,
     lossless_problems,
-    meta_fields,
+    open_array,
 )
 
 
@@ -187,26 +187,6 @@ def _int_list(value) -> bool:
     return isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
 
 
-def chunk_table(group: zarr.Group, info: dict, name: str) -> dict[str, np.ndarray]:
-    """Per-chunk metadata of one array (``info``: the store's record), flattened in chunk order."""
-    return {key: chunk_metadata(group, name, key) for key in meta_fields(info)}
-
-
-def _chunk_table_unless_damaged(group: zarr.Group, info: dict, name: str, problems: list[dict]) -> dict | None:
-    """The per-chunk table, or None when its files cannot be read; an unreadable element file (its
-    permissions) is damage, as an unreadable chunk file is, and goes into ``problems`` unless they list it."""
-    try:
-        return chunk_table(group, info, name)
-    except ValueError:  # an element file of the wrong size, which ``problems`` lists
-        if not problems:
-            raise
-        return None
-    except OSError as e:
-        if not problems:
-            problems.append({"chunk": None, "problem": f"per-chunk metadata unreadable ({e.strerror or e})"})
-        return None
-
-
 QUALITY_KEYS = ("psnr_min", "psnr_mean", "psnr_max", "max_abs_error")
 
 
@@ -223,13 +203,12 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
     is checked once."""
     group, info = open_store(path)
     location = Location(path)
-    arrays = {}
+    arrays, tables = {}, {}
     for name, a in info["arrays"].items():
-        problems = array_problems(location, name, info, group)
         # with unreadable metadata arrays or elements the per-chunk table is unknown: fall back to the summary
         # written with the store
-        table = None if any(p["chunk"] is None for p in problems) else _chunk_table_unless_damaged(group, info, name,
-                                                                                                   problems)
+        problems, table = check_array(location, name, info, group)
+        tables[name] = table
         stored = array_bytes(location, name)
         entry = {
             "shape": a["shape"], "dtype": a["dtype"], "layout": a["layout"], "axes": a["axes"],
@@ -250,7 +229,7 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
         if any(p["chunk"] is None for p in problems):  # its metadata cannot be opened
             described = {"shape": None, "dtype": None, "original_bytes": 0}
         else:
-            arr = LosslessCopy(group[name], info, name)
+            arr = LosslessCopy(open_array(group, location, name), info, name)
             described = {"shape": list(arr.shape), "dtype": str(arr.dtype), "original_bytes": int(arr.nbytes)}
         lossless[name] = {**described, "stored_bytes": location.size(name), "damaged_chunks": problems}
     original = sum(a["original_bytes"] for a in arrays.values()) + sum(a["original_bytes"] for a in lossless.values())
@@ -263,7 +242,7 @@ def inspect_store(path: str | Path, chunks: bool = False, verify: str | Path | N
     }
     if verify is not None and not report["damaged_groups"] and not any(
             a["damaged_chunks"] for a in (*arrays.values(), *lossless.values())):
-        report["verify"] = _verify(group, info, verify)
+        report["verify"] = _verify(group, info, verify, tables)
     return report
 
 
@@ -312,10 +291,10 @@ def source_mismatch(source_path, src, entry: dict) -> str | None:
     return None
 
 
-def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
+def _verify(group: zarr.Group, info: dict, source_path: str | Path, tables: dict[str, dict[str, np.ndarray]]) -> dict:
     """Decode every chunk of a store whose chunk files are known to be intact, recompute PSNR and max error
-    against ``source_path`` and compare with the stored metadata: per array, the chunks checked and the
-    mismatches found."""
+    against ``source_path`` and compare with the stored metadata (``tables``: each array's, as
+    :func:`dctchop.store.check_array` read it): per array, the chunks checked and the mismatches found."""
     if info["source"]["kind"] == "npy" or str(source_path).lower().endswith(".npy"):
         source = open_source(str(source_path))  # one array: its name is the file's, whatever it is called now
         by_name = {a["source"]: source.lossy[0] for a in info["arrays"].values()} if source.lossy else {}
@@ -331,7 +310,7 @@ def _verify(group: zarr.Group, info: dict, source_path: str | Path) -> dict:
         if why:
             raise DctchopError(f"{why}: cannot verify {name} against it")
         arr = group[name]
-        table = chunk_table(group, info, name)
+        table = tables[name]
         mismatches = []
         for i, (s, e) in enumerate(_chunk_ranges(a["shape"][0], a["chunks"][0])):
             x = src.read(s, e)

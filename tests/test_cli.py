@@ -915,8 +915,8 @@ def test_inspect_with_verify_checks_the_chunk_files_once(data, field_store, monk
     import dctchop.inspect as inspect_module
 
     checked = []
-    array_problems = inspect_module.array_problems
-    monkeypatch.setattr(inspect_module, "array_problems", lambda *args: checked.append(args[1]) or array_problems(*args))
+    check_array = inspect_module.check_array
+    monkeypatch.setattr(inspect_module, "check_array", lambda *args: checked.append(args[1]) or check_array(*args))
     report = inspect_module.inspect_store(field_store.store, verify=data.field_npy)
     assert report["verify"] == {"data": {"chunks": 4, "mismatches": []}}
     assert checked == ["data"]

@@ -446,16 +446,28 @@ def _written_files(monkeypatch) -> list[str]:
     return written
 
 
+def _small_arrays(path, n: int):
+    """An HDF5 file of ``n`` small image stacks in two groups, with attributes."""
+    with h5py.File(path, "w") as f:
+        for i in range(n):
+            f[f"g{i % 2}/img{i}"] = smooth_images(n=4, h=16, w=16, c=1, seed=i)[..., 0]
+            f[f"g{i % 2}/img{i}"].attrs["units"] = "K"
+    return path
+
+
+def _files_read(monkeypatch) -> list[str]:
+    """The keys of every file read from a store as a file from now on (:meth:`Location.read`)."""
+    read, real = [], Location.read
+    monkeypatch.setattr(Location, "read", lambda self, key: read.append(key) or real(self, key))
+    return read
+
+
 def test_compress_makes_as_many_zarr_calls_for_six_arrays_as_for_one(tmp_path, monkeypatch):
     # Zarr created each lossy array and its six metadata arrays in calls of 3.4 ms each: a file of 1500 small
     # datasets took 35 s of its 46 there. Their zarr.json files are written with the chunks now, in one pass.
     calls = {}
     for n in (1, 6):
-        source, out = tmp_path / f"in{n}.h5", tmp_path / f"s{n}.zarr"
-        with h5py.File(source, "w") as f:
-            for i in range(n):
-                f[f"g{i % 2}/img{i}"] = smooth_images(n=4, h=16, w=16, c=1, seed=i)[..., 0]
-                f[f"g{i % 2}/img{i}"].attrs["units"] = "K"
+        source, out = _small_arrays(tmp_path / f"in{n}.h5", n), tmp_path / f"s{n}.zarr"
         made = _zarr_store_calls(monkeypatch)
         compress(open_source(str(source)), out, CompressOptions(workers=1))
         monkeypatch.undo()
@@ -487,3 +499,29 @@ def test_nested_groups_are_made_once_each_however_deep(tmp_path, monkeypatch, ta
         assert sorted(group_files) == sorted(f"{g}/zarr.json" for g in groups)
         assert zarr.open_group(str(out), mode="r")[path].attrs["depth"] == depth
     assert calls[12] == calls[3], calls
+
+
+def test_inspect_and_open_make_as_many_zarr_calls_for_six_arrays_as_for_one(tmp_path, monkeypatch):
+    # inspect asked Zarr 23 times per lossy array (its data and metadata arrays opened, the per-chunk tables read
+    # through them, two of them twice), dctchop.open 3 times: 21-40 s and 7 s for a store of 1500 small arrays.
+    # Their zarr.json files and each table's element files are read as files now, each once.
+    import dctchop
+    from dctchop.inspect import inspect_store
+
+    calls = {}
+    for n in (1, 6):
+        out = tmp_path / f"s{n}.zarr"
+        compress(open_source(str(_small_arrays(tmp_path / f"in{n}.h5", n))), out,
+                 CompressOptions(workers=1, chunk_samples=2))
+        read, made = _files_read(monkeypatch), _zarr_store_calls(monkeypatch)
+        report = inspect_store(out, chunks=True)
+        inspected = len(made)
+        elements = [key for key in read if key.startswith(f"{store.META_GROUP}/")
+                    and not key.endswith("zarr.json")]
+        dataset = dctchop.open(out)
+        monkeypatch.undo()
+        calls[n] = inspected, len(made) - inspected
+        assert sorted(elements) == sorted(set(elements)) and len(elements) == n * 2 * len(store.META_FIELDS)
+        assert all(a["damaged_chunks"] == [] and len(a["chunk_table"]["psnr"]) == 2 for a in report["arrays"].values())
+        assert dataset[f"g{(n - 1) % 2}/img{n - 1}"].shape == (4, 16, 16)
+    assert calls[6] == calls[1], calls
