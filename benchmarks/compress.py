@@ -107,7 +107,8 @@ def codec_only(path: Path, threads: int, repeats: int, n_chunks: int = 32) -> fl
     adds on top is reading the input, writing files and metadata, and the start-up."""
     source = open_source(str(path))
     plan = plan_array(source, source.lossy[0], CompressOptions())
-    scan_float(plan)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        scan_float(plan, pool)
     whole = range(0, plan.source.shape[0] - plan.chunks[0] + 1, plan.chunks[0])  # starts of the full chunks
     chunks = [plan.source.read(s, s + plan.chunks[0]) for s in whole[:n_chunks]]
 

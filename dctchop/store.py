@@ -34,7 +34,7 @@ import struct
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -263,9 +263,9 @@ def _chunk_ranges(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
 
 
-def scan_float(plan: ArrayPlan, threads: int = 1) -> None:
+def scan_float(plan: ArrayPlan, pool: Executor) -> None:
     """Refuse NaN/Inf (with their count and first index) and set the PSNR peak
-    (:func:`dctchop.quantize.float_peak`), reading the chunks on ``threads`` threads."""
+    (:func:`dctchop.quantize.float_peak`), reading the chunks on ``pool``'s threads."""
 
     def scan(start: int, stop: int) -> tuple[float, float, int, tuple | None]:
         x = plan.source.read(start, stop)
@@ -276,8 +276,7 @@ def scan_float(plan: ArrayPlan, threads: int = 1) -> None:
         first = tuple(int(i) for i in np.argwhere(~finite)[0])
         return lo, hi, int(x.size - np.count_nonzero(finite)), (first[0] + start, *first[1:])
 
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dctchop-scan") as pool:
-        found = list(pool.map(lambda r: scan(*r), _chunk_ranges(plan.source.shape[0], plan.chunks[0])))
+    found = list(pool.map(lambda r: scan(*r), _chunk_ranges(plan.source.shape[0], plan.chunks[0])))
     bad = [(n, first) for _, _, n, first in found if n]
     if bad:
         raise DctchopError(f"{plan.name}: {sum(n for n, _ in bad)} NaN or infinite values, "
@@ -1006,16 +1005,16 @@ def _flatten(batches: Iterator[list]) -> Iterator:
         batches.close()
 
 
-def _write_lossy(root: Location, plan: ArrayPlan, workers: int, run_tasks: Callable | None,
-                 progress: Callable[[int], None]) -> dict:
-    """Encode every chunk (the arrays exist already) on local threads, or on Dask through ``run_tasks``
-    (:func:`dctchop.dask_runner.task_runner`), and write its files."""
+def _write_lossy(root: Location, plan: ArrayPlan, workers: int, pools: tuple[Executor, Executor] | None,
+                 run_tasks: Callable | None, progress: Callable[[int], None]) -> dict:
+    """Encode every chunk (the arrays exist already) on local threads (``pools``, see :func:`_thread_pools`),
+    or on Dask through ``run_tasks`` (:func:`dctchop.dask_runner.task_runner`), and write its files."""
     ranges = _chunk_ranges(plan.source.shape[0], plan.chunks[0])
     items = [(i, s, e) for i, (s, e) in enumerate(ranges)]
     meta = {k: np.zeros(len(ranges), dtype=v) for k, v in META_FIELDS.items()}
     sse = []  # summed exactly (math.fsum): the chunks finish in any order, and the store must not depend on it
     if run_tasks is None:
-        results = _encode_and_write(root, plan, items, workers)
+        results = _encode_and_write(root, plan, items, workers, pools)
     else:
         per_task = max(1, DASK_TASK_BYTES // (math.prod(plan.chunks) * plan.source.dtype.itemsize))
         runs = [(plan, root.absolute(), items[i : i + per_task]) for i in range(0, len(items), per_task)]
@@ -1031,40 +1030,51 @@ def _write_lossy(root: Location, plan: ArrayPlan, workers: int, run_tasks: Calla
     return {"sse": math.fsum(sse), "meta": meta}
 
 
-def _encode_and_write(root: Location, plan: ArrayPlan, items: list[tuple[int, int, int]],
-                      workers: int) -> Iterator[dict]:
+@contextlib.contextmanager
+def _thread_pools(workers: int) -> Iterator[tuple[ThreadPoolExecutor, ThreadPoolExecutor]]:
+    """``workers`` threads that encode chunks and as many that zstd, checksum and write them
+    (:func:`_encode_and_write`), for every array of a store: started for each array, their threads took a
+    third of compressing 1,500 small arrays. Leaving waits for the tasks that are running."""
+    with (ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-encode") as encoders,
+          ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-write") as writers):
+        yield encoders, writers
+
+
+def _encode_and_write(root: Location, plan: ArrayPlan, items: list[tuple[int, int, int]], workers: int,
+                      pools: tuple[Executor, Executor]) -> Iterator[dict]:
     """Encode the chunks on ``workers`` threads while ``workers`` other threads zstd, checksum and write the
-    encoded ones (:func:`_write_encoded`): with one worker the second core does that part, and file creation,
-    a quarter of the run on some file systems, overlaps the encoding. Yield each chunk's metadata once its
-    files are written. Memory stays bounded: at most ``3 * workers`` chunks are in flight, and of those
-    only the ``workers`` being encoded hold their input; the rest hold nothing yet or their encoded bytes."""
+    encoded ones (:func:`_write_encoded`; ``pools``: the two, :func:`_thread_pools`): with one worker the
+    second core does that part, and file creation, a quarter of the run on some file systems, overlaps the
+    encoding. Yield each chunk's metadata once its files are written. Memory stays bounded: at most
+    ``3 * workers`` chunks are in flight, and of those only the ``workers`` being encoded hold their input;
+    the rest hold nothing yet or their encoded bytes. On an error or when closed, the chunks not begun are
+    cancelled."""
+    encoders, writers = pools
 
     def write(encoded) -> dict:
         return _write_encoded(root, plan, *encoded.result())
 
-    with (ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-encode") as encoders,
-          ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dctchop-write") as writers):
-        pending = {}  # write future -> its encode future
+    pending = {}  # write future -> its encode future
 
-        def finished(in_flight: int) -> Iterator[dict]:
-            """The metadata of finished chunks, until at most ``in_flight`` chunks are left in flight."""
-            while len(pending) > in_flight:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for f in done:
-                    del pending[f]
-                    yield f.result()
+    def finished(in_flight: int) -> Iterator[dict]:
+        """The metadata of finished chunks, until at most ``in_flight`` chunks are left in flight."""
+        while len(pending) > in_flight:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                del pending[f]
+                yield f.result()
 
-        try:
-            for item in items:
-                yield from finished(3 * workers - 1)
-                encoded = encoders.submit(_read_and_encode, plan, *item)
-                pending[writers.submit(write, encoded)] = encoded
-            yield from finished(0)
-        except BaseException:
-            for written, encoded in pending.items():
-                encoded.cancel()
-                written.cancel()
-            raise
+    try:
+        for item in items:
+            yield from finished(3 * workers - 1)
+            encoded = encoders.submit(_read_and_encode, plan, *item)
+            pending[writers.submit(write, encoded)] = encoded
+        yield from finished(0)
+    except BaseException:
+        for written, encoded in pending.items():
+            encoded.cancel()
+            written.cancel()
+        raise
 
 
 def _write_lossless(root: Location, group: zarr.Group, source: Source, array: SourceArray, zstd_level: int,
@@ -1219,16 +1229,16 @@ def _remove_replaced(old: Location, output: Location) -> None:
 
 def _write_store(tmp: Location, source: Source, plans: list[ArrayPlan], options: CompressOptions, workers: int,
                  progress: Callable[[int], None]) -> dict:
-    """Write the whole store at ``tmp`` and return its summary. A Dask pool or cluster connection serves every
-    array and is let go before this returns, so no worker still writes when the caller moves or removes
-    ``tmp``."""
+    """Write the whole store at ``tmp`` and return its summary. The local threads and a Dask pool or cluster
+    connection serve every array and are let go before this returns, so no worker still writes when the
+    caller moves or removes ``tmp``."""
     started = time.perf_counter()
     runner = task_runner(options.scheduler, workers) if options.scheduler else contextlib.nullcontext()
-    with runner as run_tasks:
+    with runner as run_tasks, _thread_pools(workers) as pools:
         group = tmp.open_group("w", zarr_format=3)
         for plan in plans:
             if plan.source.dtype.kind == "f":
-                scan_float(plan, workers)  # the peak, which the codec configuration names
+                scan_float(plan, pools[0])  # the peak, which the codec configuration names
         tmp.write_files(_tree_documents(source, plans))
         overheads = {}
         for plan in plans:  # every search before any chunk is written: a target out of reach fails at once
@@ -1237,13 +1247,13 @@ def _write_store(tmp: Location, source: Source, plans: list[ArrayPlan], options:
                 _set_ratio_step(tmp, plan, workers, overheads[plan.name])
         arrays = {}
         for plan in plans:
-            result = _write_lossy(tmp, plan, workers, run_tasks, progress)
+            result = _write_lossy(tmp, plan, workers, pools, run_tasks, progress)
             arrays[plan.name] = _array_summary(plan, result, tmp)
             if _resample_ratio(plan, arrays[plan.name]["ratio"]):
                 missed = arrays[plan.name]["ratio"]
                 by_size = _ratio_sample(plan, result["meta"]["stored_bytes"])
                 _set_ratio_step(tmp, plan, workers, overheads[plan.name], by_size)
-                result = _write_lossy(tmp, plan, workers, run_tasks, lambda n: None)
+                result = _write_lossy(tmp, plan, workers, pools, run_tasks, lambda n: None)
                 plan.note = plan.note or (f"the step searched on chunks spread along the array gave ratio "
                                           f"{missed:.4g}: searched again on chunks picked by their stored size, "
                                           "and the array written again")

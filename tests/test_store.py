@@ -165,10 +165,11 @@ def test_encoding_and_writing_overlap_within_bounds(monkeypatch, workers):
     write (bounded memory)."""
     stages = _Stages(monkeypatch)
     done = []
-    for result in store._encode_and_write(None, None, [(i, i, i + 1) for i in range(40)], workers):
-        assert result["chunk"] in stages.written
-        assert len(stages.started) - len(done) <= 3 * workers
-        done.append(result["chunk"])
+    with store._thread_pools(workers) as pools:
+        for result in store._encode_and_write(None, None, [(i, i, i + 1) for i in range(40)], workers, pools):
+            assert result["chunk"] in stages.written
+            assert len(stages.started) - len(done) <= 3 * workers
+            done.append(result["chunk"])
     assert sorted(done) == sorted(stages.written) == list(range(40))
     assert stages.most_encoding <= workers
 
@@ -196,8 +197,8 @@ def test_an_array_that_cannot_be_planned_is_named(tmp_path, datasets, options, m
 
 def test_an_encode_error_stops_the_pipeline(monkeypatch):
     stages = _Stages(monkeypatch, bad_chunk=5)
-    with pytest.raises(DctchopError, match="chunk 5"):
-        list(store._encode_and_write(None, None, [(i, i, i + 1) for i in range(100)], 2))
+    with pytest.raises(DctchopError, match="chunk 5"), store._thread_pools(2) as pools:
+        list(store._encode_and_write(None, None, [(i, i, i + 1) for i in range(100)], 2, pools))
     assert 5 not in stages.written and len(stages.written) < 100
 
 
@@ -395,7 +396,7 @@ def test_the_array_error_does_not_depend_on_the_order_the_chunks_finish(monkeypa
     for seed in range(10):
         order = np.random.default_rng(seed).permutation(200)
         monkeypatch.setattr(store, "_encode_and_write", lambda *args, order=order: (results[i] for i in order))
-        totals.add(store._write_lossy(None, plan, 2, None, lambda n: None)["sse"])
+        totals.add(store._write_lossy(None, plan, 2, None, None, lambda n: None)["sse"])
     assert len(totals) == 1
 
 
@@ -475,6 +476,28 @@ def test_compress_makes_as_many_zarr_calls_for_six_arrays_as_for_one(tmp_path, m
         assert len(zarr.open_group(str(out), mode="r")["g0"].attrs) == 0
         assert zarr.open_group(str(out), mode="r")[f"g{(n - 1) % 2}/img{n - 1}"].attrs["units"] == "K"
     assert calls[6] == calls[1], calls
+
+
+def _threads_started(monkeypatch) -> list[str]:
+    """The names of the threads started from now on."""
+    names, real = [], threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: names.append(self.name) or real(self))
+    return names
+
+
+def test_compress_starts_as_many_threads_for_six_arrays_as_for_one(tmp_path, monkeypatch):
+    # Each lossy array had pools of its own, a float one a third to scan it: 3,750 thread starts for 1,500 small
+    # arrays, a third of the run (each start waits for the new thread to take the GIL).
+    started = {}
+    for n in (1, 6):
+        source = _small_arrays(tmp_path / f"in{n}.h5", n)
+        with h5py.File(source, "a") as f:
+            f["field"] = np.random.default_rng(n).normal(size=(4, 16, 16)).astype(np.float32)
+        names = _threads_started(monkeypatch)
+        compress(open_source(str(source)), tmp_path / f"s{n}.zarr", CompressOptions(workers=2))
+        monkeypatch.undo()
+        started[n] = len([name for name in names if name.startswith("dctchop-")])
+    assert started[6] == started[1], started
 
 
 @pytest.mark.parametrize("target", [Target("psnr", 38.0), Target("ratio", 6.0)])
