@@ -163,7 +163,7 @@ class ChunkSettings:
         if self.step is not None and not (math.isfinite(self.step) and self.step > 0):
             raise DctchopError(f"step must be a positive number, got {self.step}")
         if self.target_psnr is not None and not 0 < self.target_psnr < qz.MAX_PSNR:
-            raise DctchopError(f"target_psnr must be a number of dB between 0 and {qz.MAX_PSNR}, got {self.target_psnr}")
+            raise DctchopError(f"target_psnr must be a number of dB above 0 and below {qz.MAX_PSNR}, got {self.target_psnr}")
         if self.peak is not None and not (math.isfinite(self.peak) and self.peak > 0):
             raise DctchopError(f"peak must be a positive number, got {self.peak}")
         bad = [w for w in self.weights or () if not (math.isfinite(w) and w > 0)]

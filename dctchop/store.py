@@ -116,7 +116,7 @@ def check_target(kind: str, value, option: str | None = None) -> None:
     if kind == "ratio" and not (number and math.isfinite(value) and value >= 1):  # NaN too
         raise DctchopError(f"{option or '--ratio'} must be a finite number, at least 1, got {shown}")
     if kind == "psnr" and not (number and 0 < value < qz.MAX_PSNR):
-        raise DctchopError(f"{option or '--psnr'} must be a number of dB between 0 and {qz.MAX_PSNR}, got {shown}")
+        raise DctchopError(f"{option or '--psnr'} must be a number of dB above 0 and below {qz.MAX_PSNR}, got {shown}")
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class ArrayPlan:
     peak: float
     zstd_level: int = ZSTD_LEVEL  # of the lossless stage after the codec (decoders need not know it)
     note: str | None = None  # what the summary should tell the user about how the target was met
-    at_finest_step: bool = False  # a --ratio that even the finest step exceeds: stored at it, ratio unchecked
+    at_finest_step: bool = False  # a --ratio that even the finest step exceeds: stored at it
 
     @property
     def codec(self) -> DctChopCodec:
@@ -1252,6 +1252,7 @@ def _write_store(tmp: Location, source: Source, plans: list[ArrayPlan], options:
             if _resample_ratio(plan, arrays[plan.name]["ratio"]):
                 missed = arrays[plan.name]["ratio"]
                 by_size = _ratio_sample(plan, result["meta"]["stored_bytes"])
+                plan.at_finest_step, plan.note = False, None  # the first search's verdict, on its sample
                 _set_ratio_step(tmp, plan, workers, overheads[plan.name], by_size)
                 result = _write_lossy(tmp, plan, workers, pools, run_tasks, lambda n: None)
                 plan.note = plan.note or (f"the step searched on chunks spread along the array gave ratio "
@@ -1276,11 +1277,13 @@ def _set_ratio_step(root: Location, plan: ArrayPlan, workers: int, overhead: int
 
 
 def _misses_ratio(plan: ArrayPlan, achieved: float) -> bool:
-    """Whether an array as written breaks its --ratio promise (a ratio the finest step exceeds promises
-    nothing)."""
-    if plan.target.kind != "ratio" or plan.at_finest_step:
+    """Whether an array as written breaks its --ratio promise. A ratio above the target at the finest step
+    promises nothing; one below it, when the search found the finest step too fine on a sample (zeros among
+    noise the sample left out: --ratio 4 stored at 1.44), is a miss like any other."""
+    if plan.target.kind != "ratio":
         return False
-    return abs(achieved / float(plan.target.value) - 1) > RATIO_TOLERANCE
+    off = achieved / float(plan.target.value) - 1
+    return abs(off) > RATIO_TOLERANCE and not (plan.at_finest_step and off > 0)
 
 
 def _resample_ratio(plan: ArrayPlan, achieved: float) -> bool:

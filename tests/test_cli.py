@@ -1373,8 +1373,8 @@ def test_axes_out_of_range_is_a_user_error(data, tmp_path):
     ("--target-ratio", "nan", "--target-ratio must be a finite number, at least 1"),
     ("--target-ratio", "inf", "--target-ratio must be a finite number, at least 1, got inf"),
     ("--axes", "1,1", "--axes 1,1 names an axis twice"),  # refused after the whole grid, like inf
-    ("--target-psnr", "-1", "--target-psnr must be a number of dB between 0 and 400, got -1"),
-    ("--target-psnr", "400", "--target-psnr must be a number of dB between 0 and 400"),
+    ("--target-psnr", "-1", "--target-psnr must be a number of dB above 0 and below 400, got -1"),
+    ("--target-psnr", "400", "--target-psnr must be a number of dB above 0 and below 400"),
 ])
 def test_sweep_target_out_of_range_is_a_user_error(data, option, value, words):
     # accepted: the sweep ran, then recommended against a meaningless target

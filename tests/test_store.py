@@ -203,7 +203,7 @@ def test_an_encode_error_stops_the_pipeline(monkeypatch):
 
 
 @pytest.mark.parametrize("kind, value, message", [
-    ("psnr", 0.0, "between 0 and 400"), ("psnr", 500.0, "between 0 and 400"), ("psnr", float("nan"), "between"),
+    ("psnr", 0.0, "above 0 and below 400"), ("psnr", 500.0, "above 0 and below 400"), ("psnr", float("nan"), "above 0 and below"),
     ("ratio", 0.5, "at least 1"), ("ratio", float("nan"), "at least 1"), ("ratio", float("inf"), "finite"),
 ])
 def test_targets_out_of_range_say_what_is_allowed(kind, value, message):
@@ -321,6 +321,23 @@ def test_a_ratio_missed_for_unsampled_chunks_is_searched_again_on_chunks_picked_
     stored = sum(f.stat().st_size for f in (tmp_path / "x.zarr").rglob("*") if f.is_file()
                  and "data" in f.relative_to(tmp_path / "x.zarr").parts)
     assert data["stored_bytes"] <= stored and abs(images.nbytes / stored / 10 - 1) <= 0.05  # as on disk
+
+
+def test_a_sample_that_exceeds_the_ratio_at_the_finest_step_does_not_excuse_the_array(tmp_path, monkeypatch):
+    """Zeros in every chunk the search sampled, noise in the others: the sample exceeded --ratio 4 at the finest
+    step, the array was stored at it with ratio 1.44, exit 0, and a note of the sample's 1.49e+04. Below the
+    target as written, it is searched again on chunks picked by their stored size."""
+    monkeypatch.setattr(store, "RATIO_SAMPLE_BYTES", 16 * 64 * 32 * 32)  # 16 of the 20 chunks
+    rng = np.random.default_rng(5)
+    images = np.zeros((20 * 64, 32, 32), np.uint8)
+    for k in (2, 7, 12, 17):  # the chunks the even spread leaves out
+        images[k * 64 : (k + 1) * 64] = rng.integers(0, 256, (64, 32, 32), dtype=np.uint8)
+    np.save(tmp_path / "x.npy", images)
+    summary = compress(open_source(str(tmp_path / "x.npy")), tmp_path / "x.zarr",
+                       CompressOptions(target=Target("ratio", 4.0), chunk_samples=64))
+    data = summary["arrays"]["data"]
+    assert abs(data["ratio"] / 4 - 1) <= 0.05
+    assert re.search(r"gave ratio \d\.\d+: searched again on chunks picked by their stored size", data["note"])
 
 
 def test_a_psnr_target_just_above_what_the_data_allows_is_refused(tmp_path, h5_images):
