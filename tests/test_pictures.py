@@ -492,7 +492,7 @@ def test_pareto_and_recommend():
     assert recommend(result, target_psnr=np.float32(36))["index"] == 0
     # library callers got targets that compress refuses: a ratio below 1, a negative PSNR
     for bad, message in (({"target_ratio": 0.5}, "--target-ratio must be a finite number, at least 1, got 0.5"),
-                         ({"target_psnr": -3}, "--target-psnr must be a number of dB between 0")):
+                         ({"target_psnr": -3}, "--target-psnr must be a number of dB above 0 and below 400")):
         with pytest.raises(DctchopError, match=re.escape(message)):
             recommend(result, **bad)
     assert compress_command("x.npy", ["--keep", "4"], axes_text="1,2") == "dctchop compress x.npy x.zarr --axes 1,2 --keep 4"
