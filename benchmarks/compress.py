@@ -40,7 +40,7 @@ import numpy as np
 
 from dctchop.codec import encode_and_measure
 from dctchop.formats import open_source
-from dctchop.store import CompressOptions, _stored_bytes, plan_array, scan_float
+from dctchop.store import CompressOptions, _stored_bytes, plan_array, scan_values
 from dctchop.transform import forward, make_plan
 
 IMAGE = (128, 256)
@@ -108,7 +108,7 @@ def codec_only(path: Path, threads: int, repeats: int, n_chunks: int = 32) -> fl
     source = open_source(str(path))
     plan = plan_array(source, source.lossy[0], CompressOptions())
     with ThreadPoolExecutor(max_workers=1) as pool:
-        scan_float(plan, pool)
+        scan_values(plan, pool)
     whole = range(0, plan.source.shape[0] - plan.chunks[0] + 1, plan.chunks[0])  # starts of the full chunks
     chunks = [plan.source.read(s, s + plan.chunks[0]) for s in whole[:n_chunks]]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-PSNR_HELP = ("PSNR = 20 log10(peak) - 10 log10(MSE); peak = the dtype's range for integer data (255 for uint8), "
-             "max - min of the original array for floating-point data (1 for a constant array).")
+PSNR_HELP = ("PSNR = 20 log10(peak) - 10 log10(MSE); peak = 255 for uint8, max - min of the original array for "
+             "other data (1 for a constant array).")
 
 
 def fmt_mb(n: float) -> str:

@@ -135,7 +135,7 @@ def most_coded_bytes(shape: tuple[int, ...]) -> int:
 class ChunkSettings:
     """What the encoder needs to know besides the data. ``step`` and ``target_psnr`` apply to the integer
     precisions (at most one of them; with neither, each band is scaled to the full integer range);
-    ``peak`` is the PSNR peak for ``target_psnr`` on float data."""
+    ``peak`` is the PSNR peak for ``target_psnr`` on data other than uint8 (default: each chunk's own range)."""
 
     axes: tuple[int, ...]
     block: tuple[int, ...]
@@ -419,11 +419,11 @@ def _step_for_rounded_output(x: np.ndarray, c: Coefficients, weights, rows, thre
 
 
 def _psnr_peak(x: np.ndarray, settings: ChunkSettings) -> float:
-    """The peak a chunk's ``target_psnr`` counts with: an integer dtype's range, else ``settings.peak`` (the
-    whole array's range, which ``dctchop compress`` passes), else the chunk's own range."""
-    peak = qz.dtype_peak(x.dtype) or settings.peak
+    """The peak a chunk's ``target_psnr`` counts with: uint8's 255, else ``settings.peak`` (the whole array's
+    range, which ``dctchop compress`` passes), else the chunk's own range."""
+    peak = qz.fixed_peak(x.dtype) or settings.peak
     if peak is None:
-        peak = qz.float_peak(float(x.min()), float(x.max())) if x.size else 1.0
+        peak = qz.range_peak(float(x.min()), float(x.max())) if x.size else 1.0
     return peak
 
 

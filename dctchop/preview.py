@@ -2,8 +2,7 @@
 
 One row per sample: original | decoded | absolute-error heat map (with its colour bar). Titles carry the
 sample's PSNR (``20 log10(peak) - 10 log10(MSE)`` over the whole sample, with the peak the store recorded:
-the dtype's range for integer data, max - min of the original array for floating-point data) and its max
-absolute error.
+255 for uint8, max - min of the original array for other data) and its max absolute error.
 
 What a "sample" and its picture are follows the array's layout (:mod:`dctchop.layout`):
 

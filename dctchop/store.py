@@ -11,8 +11,8 @@ Layout of a store made from ``images.h5`` (datasets ``/images`` and ``/labels``)
 A ``.npy`` input becomes one array named ``data``. Arrays are chunked along axis 0 only (whole samples; slabs
 of whole blocks when axis 0 is transformed), so every chunk is written once, whole.
 
-PSNR is ``20 log10(peak) - 10 log10(MSE)``, peak = the dtype's range for integer dtypes (255 for uint8) and
-max - min of the original array for floating dtypes (1 for a constant array).
+PSNR is ``20 log10(peak) - 10 log10(MSE)``, peak = 255 for uint8 and max - min of the original array for the
+other dtypes (1 for a constant array).
 
 Every chunk's metadata is measured on a decode of exactly the bytes written for it (before zstd and
 crc32c, which are lossless and checked on read), so it describes what is on disk.
@@ -240,7 +240,7 @@ def _plan_array(source: Source, array: SourceArray, options: CompressOptions, na
     keep = per_axis(target.value, len(axes), "--keep") if target.kind == "keep" else block
     if colour is not None:  # the channel axis joins as one block, kept whole
         axes, block, keep = _with_axis(axes, block, keep, colour, array.shape[colour])
-    peak = qz.dtype_peak(array.dtype)
+    peak = qz.fixed_peak(array.dtype)
     if target.kind == "keep":
         precision = options.precision or "float16"
         settings = ChunkSettings(axes, block, keep, options.mask, precision)
@@ -263,9 +263,10 @@ def _chunk_ranges(length: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
 
 
-def scan_float(plan: ArrayPlan, pool: Executor) -> None:
-    """Refuse NaN/Inf (with their count and first index) and set the PSNR peak
-    (:func:`dctchop.quantize.float_peak`), reading the chunks on ``pool``'s threads."""
+def scan_values(plan: ArrayPlan, pool: Executor) -> None:
+    """Refuse NaN/Inf (with their count and first index) and set the PSNR peak, the data's range
+    (:func:`dctchop.quantize.range_peak`), reading the chunks on ``pool``'s threads: for every dtype but
+    uint8 (:func:`dctchop.quantize.fixed_peak`)."""
 
     def scan(start: int, stop: int) -> tuple[float, float, int, tuple | None]:
         x = plan.source.read(start, stop)
@@ -281,7 +282,7 @@ def scan_float(plan: ArrayPlan, pool: Executor) -> None:
     if bad:
         raise DctchopError(f"{plan.name}: {sum(n for n, _ in bad)} NaN or infinite values, "
                            f"first at index {list(bad[0][1])}")
-    plan.peak = qz.float_peak(min(lo for lo, _, _, _ in found), max(hi for _, hi, _, _ in found))
+    plan.peak = qz.range_peak(min(lo for lo, _, _, _ in found), max(hi for _, hi, _, _ in found))
     if plan.peak < SMALLEST_FLOAT_PEAK:
         raise DctchopError(f"{plan.name}: values span only {plan.peak:.3g}, too little for the error arithmetic "
                            f"(squared errors would underflow float64; at least {SMALLEST_FLOAT_PEAK:g}): scale "
@@ -1237,8 +1238,8 @@ def _write_store(tmp: Location, source: Source, plans: list[ArrayPlan], options:
     with runner as run_tasks, _thread_pools(workers) as pools:
         group = tmp.open_group("w", zarr_format=3)
         for plan in plans:
-            if plan.source.dtype.kind == "f":
-                scan_float(plan, pools[0])  # the peak, which the codec configuration names
+            if qz.fixed_peak(plan.source.dtype) is None:
+                scan_values(plan, pools[0])  # the peak, which the codec configuration names
         tmp.write_files(_tree_documents(source, plans))
         overheads = {}
         for plan in plans:  # every search before any chunk is written: a target out of reach fails at once

@@ -15,8 +15,8 @@ Everything runs in-process on a sample of the array:
   encoded exactly as :func:`dctchop.store.compress` does (``encode_chunk`` -> zstd -> 4-byte crc32c), so
   *ratio* = sample bytes / stored chunk bytes (the store adds about 4 KB of metadata per array, which shows in
   the ratio of arrays of a few MB or less); *PSNR* = ``20 log10(peak) - 10 log10(MSE)`` over the decoded
-  sample with peak = the dtype's range for integer data and max - min **of the sample** for floating-point
-  data (the store uses the whole array's, which is at least as large, so the sweep is conservative); *decode
+  sample with peak = 255 for uint8 and max - min **of the sample** for other data (the store uses the whole
+  array's, which is at least as large, so the sweep is conservative); *decode
   MB/s* = sample bytes / the single-thread time to check the crc32c, undo zstd and ``decode_chunk`` (what Zarr
   does per chunk; best of up to three runs).
 * **Pareto front**: the settings no other setting beats on both ratio and PSNR. A PSNR target the
@@ -225,9 +225,9 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
     else:
         axes, layout = infer_axes(array.shape, array.dtype)
     x, where = read_sample(array, axes, sample)
-    peak = qz.dtype_peak(x.dtype)
+    peak = qz.fixed_peak(x.dtype)
     if peak is None:
-        peak = qz.float_peak(float(x.min()), float(x.max())) if x.size else 1.0
+        peak = qz.range_peak(float(x.min()), float(x.max())) if x.size else 1.0
     threads = resolve_threads(0)  # all cores
     results, skipped, used_axes = [], [], None
     for setting in grid if grid is not None else settings_grid(x.dtype):
