@@ -1061,8 +1061,8 @@ def slabs(plan: TransformPlan, n_values: int) -> tuple[Slab, ...]:
 
     Decoding slab by slab keeps each slab's coefficients in cache from dequantization to the last inverse pass.
     Slabs are rows of an untransformed axis 0 (samples), or whole blocks of a transformed one, the last slab
-    taking the edge block; a sample with more than ``n_values`` coefficients (a photo) is cut into strips of
-    whole blocks (or rows) of axis 1 the same way. The blocks of a run follow the array's C order, so a slab's
+    taking the edge block; a sample or a block along axis 0 with more than ``n_values`` coefficients (a photo,
+    an 8-slice block of a volume) is cut into strips of whole blocks (or rows) of axis 1 the same way. The blocks of a run follow the array's C order, so a slab's
     values are a contiguous piece of every run (which may start inside a bit-plane group of 8 values), found
     from the runs' rows (:class:`Runs`), never value by value. Cached per chunk shape: cutting a 1280-image
     chunk of 32x32 RGB takes about 15 ms, three decodes of it (0.25 s when it was worked out per value).
@@ -1099,15 +1099,17 @@ def _coefficient_rows(plan: TransformPlan, axis: int, lo: int, hi: int) -> tuple
 
 
 def _slab_boxes(plan: TransformPlan, n_values: int) -> list[tuple[int, int, tuple[int, int] | None]]:
-    """(start, stop, rows) of each slab."""
+    """(start, stop, rows) of each slab: ranges of axis 0, or, where one unit of axis 0 (a sample, a block)
+    holds more than ``n_values`` coefficients, each unit (the last with the edge block) cut into strips."""
     shape, cshape = plan.shape, plan.coefficient_shape
     unit, n_units, kept = _units(plan, 0)
     per_unit = kept * math.prod(cshape[1:])
-    if unit > 1 or per_unit <= n_values or len(shape) < 2:
-        return [(a, b, None) for a, b in _cuts(shape[0], unit, n_units, per_unit, n_values)]
+    cuts = _cuts(shape[0], unit, n_units, per_unit, n_values)
+    if per_unit <= n_values or len(shape) < 2:
+        return [(a, b, None) for a, b in cuts]
     row_unit, n_rows, row_kept = _units(plan, 1)
-    strips = _cuts(shape[1], row_unit, n_rows, row_kept * math.prod(cshape[2:]), n_values)
-    return [(i, i + 1, rows) for i in range(shape[0]) for rows in strips]
+    strips = _cuts(shape[1], row_unit, n_rows, kept * row_kept * math.prod(cshape[2:]), n_values)
+    return [(a, b, rows) for a, b in cuts for rows in strips]
 
 
 def _cuts(length: int, unit: int, n_units: int, per_unit: int, n_values: int) -> list[tuple[int, int]]:
@@ -1126,21 +1128,31 @@ def _slabs(shape, axes, block, keep, mask, n_values: int) -> tuple[Slab, ...]:
     boxes = _slab_boxes(plan, n_values)
     if len(boxes) < 2 or not runs.rows:
         return (Slab(0, shape[0], None, plan, seg_starts[:-1], seg_starts),)
-    # A box is a range of coefficient rows along axis 0, or one sample and a range of rows along axis 1 (strips):
-    # in every run, its values are the contiguous piece after the values of the rows before it.
+    # A box is a range of coefficient rows along axis 0, or one unit of axis 0 (a sample, or a block and the
+    # edge block after it, which no run holds both of) and a range of rows along axis 1 (strips): in every run,
+    # its values are the contiguous piece after the values of the rows before it.
+    def rows_before(axis: int, ranges: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(runs, bounds): how many of each run's rows along ``axis`` lie before each bound of ``ranges``."""
+        bounds = np.unique(np.array(ranges).ravel())
+        return bounds, np.array([np.searchsorted(rows[axis], bounds) for rows in runs.rows])
+
     axis = 0 if boxes[0][2] is None else 1
     ranges = [_coefficient_rows(plan, axis, *(box[:2] if axis == 0 else box[2])) for box in boxes]
-    bounds = np.unique(np.array(ranges).ravel())
-    rows_before = np.array([np.searchsorted(rows[axis], bounds) for rows in runs.rows])  # (runs, bounds)
-    per_sample = lengths // np.array([rows[0].size for rows in runs.rows])  # strips: every sample in every run
+    unit_ranges = [_coefficient_rows(plan, 0, start, stop) for start, stop, _ in boxes]  # strips' units
+    bounds, before_bounds = rows_before(axis, ranges)
+    unit_bounds, before_units = rows_before(0, unit_ranges)
+    per_sample = lengths // np.array([rows[0].size for rows in runs.rows])  # values per row along axis 0
     per_row = per_sample // np.array([rows[axis].size for rows in runs.rows]) if axis else per_sample
     parts = []
-    for (start, stop, rows), (lo, hi) in zip(boxes, ranges):
-        before, after = (rows_before[:, np.searchsorted(bounds, v)] for v in (lo, hi))
-        counts = (after - before) * per_row
+    for (start, stop, rows), (lo, hi), unit_range in zip(boxes, ranges, unit_ranges):
+        before, after = (before_bounds[:, np.searchsorted(bounds, v)] for v in (lo, hi))
+        counts, first = (after - before) * per_row, seg_starts[:-1] + before * per_row
+        if axis:  # a strip: each run holds none or one of its unit's rows along axis 0
+            unit_before, unit_after = (before_units[:, np.searchsorted(unit_bounds, v)] for v in unit_range)
+            assert np.all(unit_after - unit_before <= 1), "a strip is not a contiguous piece of every run"
+            counts, first = counts * (unit_after - unit_before), first + unit_before * per_sample
         held = counts > 0
-        first = np.where(held, seg_starts[:-1] + before * per_row + (start * per_sample if axis else 0),
-                         seg_starts[:-1])
+        first = np.where(held, first, seg_starts[:-1])
         box = (stop - start, *shape[1:]) if rows is None else (stop - start, rows[1] - rows[0], *shape[2:])
         part = _plan(box, axes, block, keep, mask)
         assert np.array_equal(part.runs.seg_bands, runs.seg_bands[held]) and np.array_equal(
@@ -1538,9 +1550,9 @@ class BandMajor:
 
 # Working out a band-major decode lists every value's place (about 40 bytes a value at its peak, a quarter of
 # that kept with the plan): nothing for the slabs of a quarter million values chunks are cut into, 1.5 GB for a
-# slab that cannot be cut, such as a (1, 4, 10M) field's one sample (axis 1 a single block, no strips). Such
-# slabs decode through the coefficient image: 1.0 instead of 1.6 GB, 3.1 instead of 5.2 s for the first decode
-# (planning), 0.7-1.0 instead of 0.4 s for the next ones.
+# slab that cannot be cut, such as a (1, 4, 10M) field's one sample (axes 0 and 1 a single unit each: no
+# strips). Such slabs decode through the coefficient image: 1.0 instead of 1.6 GB, 3.1 instead of 5.2 s for the
+# first decode (planning), 0.7-1.0 instead of 0.4 s for the next ones.
 BAND_MAJOR_VALUES = 1 << 22
 
 

@@ -177,9 +177,9 @@ def test_slab_decode_equals_whole_chunk_reference(case, threads, monkeypatch):
     expected = inverse(scatter(values, chunk.plan, wdt), chunk.plan, dtype) + np.dtype(dtype).type(chunk.offset)
     monkeypatch.setattr(codec_module, "SLAB_VALUES", 200)
     parts = slabs(chunk.plan, 200)
-    assert (len(parts) > 1) == (axes[0] > 0 or shape[0] >= 2 * block[0])
-    per_sample = math.prod(chunk.plan.coefficient_shape[1:])
-    assert any(p.rows for p in parts) == (axes[0] > 0 and per_sample > 200)  # samples cut into strips
+    per_unit = math.prod(chunk.plan.coefficient_shape[1:]) * (keep[0] if axes[0] == 0 else 1)  # axis 0's units
+    assert any(p.rows for p in parts) == (per_unit > 200)  # samples, or blocks of axis 0, cut into strips
+    assert (len(parts) > 1) == (axes[0] > 0 or shape[0] >= 2 * block[0] or per_unit > 200)
     if axes == (1, 2, 3):  # 1 to 6 blocks of a kind per sample: pieces of runs start inside bit-plane groups
         assert any(np.any((p.first - seg_starts[:-1]) % 8) for p in parts)
     np.testing.assert_array_equal(decode_chunk(data, shape, dtype, threads), expected)
@@ -376,6 +376,28 @@ def test_strips_decode_like_one_slab(channels_first, threads, monkeypatch):
     assert decode_chunk(data, x.shape, x.dtype, threads, out=out, channels_first=channels_first) is out
     np.testing.assert_array_equal(out, whole)
     assert np.mean(np.abs(out.astype(float) - (np.moveaxis(x, -1, 1) if channels_first else x))) < 2
+
+
+@pytest.mark.parametrize("shape", [(8, 61, 40), (13, 61, 40)])  # one block along Z; one and an edge block of 5
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_transformed_axis_0_is_cut_into_strips(shape, threads, monkeypatch):
+    """A volume chunk of one block along Z (1024x1024 slices: 8.4M values) was one slab: planned band-major
+    value by value, or past BAND_MAJOR_VALUES through the coefficient image (1.5-2x slower). Each of its
+    blocks along Z (the last with the edge block) is cut into strips of block rows, band-major, bit for bit
+    as one slab."""
+    import dctchop.codec as codec_module
+    from dctchop import transform
+
+    x = smooth_float_field(shape=shape)
+    data = encode_chunk(x, ChunkSettings(axes=(0, 1, 2), block=(8, 8, 8), keep=(8, 8, 8), precision="int16",
+                                         target_psnr=60.0))
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", 1 << 30)
+    whole = decode_chunk(data, x.shape, x.dtype, threads)
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", 2000)
+    parts = transform.slabs(make_plan(shape, (0, 1, 2), 8, 8), 2000)
+    assert len(parts) > 4 and all(p.rows is not None and p.plan.n_values < x.size // 4 for p in parts)
+    assert all(transform.band_major(p.plan, np.float32) for p in parts)
+    np.testing.assert_array_equal(decode_chunk(data, x.shape, x.dtype, threads), whole)
 
 
 def _decode_in_child(data, shape, dtype, queue):
