@@ -37,6 +37,7 @@ import numpy as np
 
 from dctchop import quantize as qz
 from dctchop.errors import DctchopError
+from dctchop.formats.hdf5 import keep_spans
 from dctchop.location import check_output_file
 from dctchop.store import temporary_file
 
@@ -442,7 +443,8 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
     view = make_view(entry["shape"], entry["axes"], entry["layout"])
     chosen = check_indices(indices, view.n_samples(entry["shape"]), name)
     arr = Dataset(store, threads=1).array(name)  # decodes as readers do: a missing or damaged chunk is an error
-    rows = _read_rows(src, arr, entry, view, chosen)
+    with keep_spans():  # samples in one row of HDF5 chunks decompress it once
+        rows = _read_rows(src, arr, entry, view, chosen)
     header = _header(Path(store).name, name, entry, view, source_path)
     width, height = draw(rows, view, np.dtype(entry["dtype"]), header, out)
     return {

@@ -62,6 +62,7 @@ from dctchop.codec import (
 from dctchop.dask_runner import task_runner
 from dctchop.errors import CorruptChunkError, DctchopError, first_line, output_exists
 from dctchop.formats import Source, SourceArray
+from dctchop.formats.hdf5 import keep_spans
 from dctchop.formats.npy import STORED_NAME as NPY_STORED_NAME
 from dctchop.layout import check_axes, colour_axis, infer_axes
 from dctchop.location import Location, absolute_path, exchange, refuse_special_file, rename_new, store_holding
@@ -993,8 +994,10 @@ def _write_encoded(root: Location, plan: ArrayPlan, data: bytes, result: dict) -
 def encode_chunks_task(plan: ArrayPlan, root: Location, chunks: list[tuple[int, int, int]]) -> list[dict]:
     """Encode and write a run of ``(index, start, stop)`` chunks: one Dask task per ~64 MB of input, so a
     terabyte makes about 16,000 tasks rather than 250,000 (and the plan is sent once per task).
-    Module-level and self-contained so it runs in any process."""
-    return [_write_encoded(root, plan, *_read_and_encode(plan, *chunk)) for chunk in chunks]
+    Module-level and self-contained so it runs in any process; the spans its reads keep are dropped at its
+    end in a worker process, at the compress's end on local threads."""
+    with keep_spans():
+        return [_write_encoded(root, plan, *_read_and_encode(plan, *chunk)) for chunk in chunks]
 
 
 def _flatten(batches: Iterator[list]) -> Iterator:
@@ -1232,10 +1235,11 @@ def _write_store(tmp: Location, source: Source, plans: list[ArrayPlan], options:
                  progress: Callable[[int], None]) -> dict:
     """Write the whole store at ``tmp`` and return its summary. The local threads and a Dask pool or cluster
     connection serve every array and are let go before this returns, so no worker still writes when the
-    caller moves or removes ``tmp``."""
+    caller moves or removes ``tmp``. The spans of HDF5 chunks the reads keep serve the whole run (a --ratio
+    search's for the writing after it) and are dropped when it ends."""
     started = time.perf_counter()
     runner = task_runner(options.scheduler, workers) if options.scheduler else contextlib.nullcontext()
-    with runner as run_tasks, _thread_pools(workers) as pools:
+    with keep_spans(), runner as run_tasks, _thread_pools(workers) as pools:
         group = tmp.open_group("w", zarr_format=3)
         for plan in plans:
             if qz.fixed_peak(plan.source.dtype) is None:

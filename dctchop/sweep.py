@@ -43,6 +43,7 @@ from dctchop import quantize as qz
 from dctchop.codec import ChunkSettings, check_dtype, decode_chunk, encode_chunk
 from dctchop.errors import DctchopError
 from dctchop.formats import SourceArray, open_source
+from dctchop.formats.hdf5 import keep_spans
 from dctchop.layout import check_axes, infer_axes, parse_axes
 from dctchop.store import (
     RATIO_TOLERANCE,
@@ -137,7 +138,8 @@ def read_sample(array: SourceArray, axes: tuple[int, ...], count: int | None) ->
         where = {"mode": "contiguous", "start": start, "stop": start + count}
     else:
         picks = [int(i) for i in np.unique(np.linspace(0, length - 1, count).round().astype(int))]
-        x = np.stack([array.read(i, i + 1)[0] for i in picks]) if len(picks) < length else array.read()
+        with keep_spans():  # the picks in one row of HDF5 chunks decompress it once
+            x = np.stack([array.read(i, i + 1)[0] for i in picks]) if len(picks) < length else array.read()
         where = {"mode": "evenly spaced" if len(picks) < length else "all", "indices": picks}
     if x.dtype.kind == "f" and not np.all(np.isfinite(x)):
         raise DctchopError(f"{array.name}: the sample holds NaN or infinite values")

@@ -19,10 +19,12 @@ datatype ``(n,) x f4[3]`` is a ``(n, 3)`` float32 array.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import posixpath
 import threading
+from collections.abc import Iterator
 from functools import cache
 from typing import NamedTuple
 
@@ -41,7 +43,7 @@ from dctchop.formats import (
 )
 from dctchop.location import absolute_path
 
-__all__ = ["READ_BUDGET", "open_hdf5", "read_hdf5", "span_length"]
+__all__ = ["READ_BUDGET", "keep_spans", "open_hdf5", "read_hdf5", "span_length"]
 
 _MAX_LISTED = 20  # datasets listed in a "no such dataset" message
 DCT_BLOCK = 8  # the default block: a per-sample table narrower than this has no image in it
@@ -593,7 +595,8 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
 
 
 READ_BUDGET = 256 << 20
-"""Bytes of decompressed samples a process keeps between slab reads of one file (:func:`span_length`)."""
+"""Bytes of decompressed samples a process keeps between slab reads, of all its files together
+(:func:`span_length`, :func:`keep_spans`)."""
 
 
 def span_length(shape: tuple[int, ...], chunks: tuple[int, ...] | None, itemsize: int) -> int | None:
@@ -602,8 +605,9 @@ def span_length(shape: tuple[int, ...], chunks: tuple[int, ...] | None, itemsize
     HDF5 decompresses a chunk whole to read any part of it and keeps only 1 MB of them between reads. A slab
     that cuts through a row of chunks (those at the same place along axis 0) left the rest of the row to the
     next slabs, and each decompressed it again: with chunks of (N, 1, 32) over N = 400000 samples, the whole
-    dataset once per slab, 98 times. So the part of a slab that cuts through a row is taken from a span, the
-    whole row read once and kept (:meth:`_Handle.span`); the whole rows inside a slab are read directly.
+    dataset once per slab, 98 times. So inside :func:`keep_spans`, the part of a slab that cuts through a row
+    is taken from a span, the whole row read once and kept (:meth:`_Spans.take`); the whole rows inside a
+    slab are read directly.
 
     A row of more than :data:`READ_BUDGET` bytes is not held whole: its spans are READ_BUDGET bytes of
     samples each, and reading one decompresses every chunk of the row it crosses. Memory stays bounded, and
@@ -636,15 +640,74 @@ def _pieces(start: int, stop: int, length: int, span: int) -> list[tuple[int, in
     return pieces
 
 
+class _Spans:
+    """The spans this process keeps, of all its files: READ_BUDGET bytes in all, and only while an operation
+    that reads slab after slab runs (:func:`keep_spans`). Kept on each file's cached handle until the process
+    ended, they outlived the operations that read them: a preview of two samples of each of two stores left
+    512 MB behind."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # one thread reads a span, the others wanting it wait for it
+        self.kept: dict[tuple[_Handle, str, int], np.ndarray] = {}  # (file, dataset, span index) -> rows, oldest first
+        self.operations = 0  # keep_spans blocks running
+
+    def take(self, handle: _Handle, name: str, ds, index: int, span: int, dtype, shape) -> np.ndarray:
+        """Rows ``[index * span, (index + 1) * span)`` of dataset ``name``, read on the first call and kept for
+        the next ones, the oldest dropped first to stay within :data:`READ_BUDGET`: the threads of a Dask
+        worker each read their own stretch of slabs, in turns."""
+        with self.lock:
+            rows = self.kept.pop((handle, name, index), None)
+            if rows is None:
+                lo, hi = index * span, min(index * span + span, shape[0])
+                size = (hi - lo) * math.prod(shape[1:]) * dtype.itemsize
+                while self.kept and sum(r.nbytes for r in self.kept.values()) + size > READ_BUDGET:
+                    del self.kept[next(iter(self.kept))]
+                rows = np.empty((hi - lo, *shape[1:]), dtype=dtype)
+                _read_rows(handle.file, name, ds, lo, hi, rows)
+            if self.operations:  # once the last operation has ended, nothing would drop it
+                self.kept[(handle, name, index)] = rows
+            return rows
+
+    def release(self, handle: _Handle, name: str, index: int) -> None:
+        """Drop span ``index`` of ``name``: a read took its last row, the reads after it need the next span."""
+        with self.lock:
+            self.kept.pop((handle, name, index), None)
+
+    def forget(self, handle: _Handle) -> None:
+        """Drop the spans of a file whose handle closes (rewritten, or closed by :func:`close_all`)."""
+        with self.lock:
+            for key in [k for k in self.kept if k[0] is handle]:
+                del self.kept[key]
+
+
+_SPANS = _Spans()
+
+
+@contextlib.contextmanager
+def keep_spans() -> Iterator[None]:
+    """Within, slab reads of HDF5 datasets keep the spans they cut for the next reads (:func:`span_length`),
+    so each chunk is decompressed once; when the last such block running in the process ends, every span is
+    dropped. Outside, slabs are read directly and nothing outlives a read. The operations that read slab
+    after slab run in one: compress, a Dask task, preview, sweep's sample, inspect's verify. Blocks nest,
+    across threads too: a compress's Dask threads share its spans."""
+    with _SPANS.lock:
+        _SPANS.operations += 1
+    try:
+        yield
+    finally:
+        with _SPANS.lock:
+            _SPANS.operations -= 1
+            if not _SPANS.operations:
+                _SPANS.kept.clear()
+
+
 class _Handle:
-    """This process's open file, the datasets already looked up in it and the spans kept from them."""
+    """This process's open file and the datasets already looked up in it."""
 
     def __init__(self, file: str):
         self.file = file
         self.h5 = _open_file(file)
         self.datasets: dict[str, object] = {}
-        self.lock = threading.Lock()  # one thread reads a span, the others wanting it wait for it
-        self.kept: dict[tuple[str, int], np.ndarray] = {}  # (dataset, span index) -> its rows, oldest first
 
     def dataset(self, name: str, shape, dtype):
         ds = self.datasets.get(name)
@@ -662,30 +725,9 @@ class _Handle:
             self.datasets[name] = ds
         return ds
 
-    def span(self, name: str, ds, index: int, span: int, dtype, shape) -> np.ndarray:
-        """Rows ``[index * span, (index + 1) * span)`` of dataset ``name``, read on the first call and kept for
-        the next ones. Spans are kept, the oldest dropped first, up to :data:`READ_BUDGET` bytes in all: the
-        threads of a Dask worker each read their own stretch of slabs, in turns."""
-        with self.lock:
-            rows = self.kept.pop((name, index), None)
-            if rows is None:
-                lo, hi = index * span, min(index * span + span, shape[0])
-                size = (hi - lo) * math.prod(shape[1:]) * dtype.itemsize
-                while self.kept and sum(r.nbytes for r in self.kept.values()) + size > READ_BUDGET:
-                    del self.kept[next(iter(self.kept))]
-                rows = np.empty((hi - lo, *shape[1:]), dtype=dtype)
-                _read_rows(self.file, name, ds, lo, hi, rows)
-            self.kept[(name, index)] = rows
-            return rows
-
-    def release(self, name: str, index: int) -> None:
-        """Drop span ``index`` of ``name``: a read took its last row, the reads after it need the next span."""
-        with self.lock:
-            self.kept.pop((name, index), None)
-
     def close(self) -> None:
+        _SPANS.forget(self)
         self.datasets.clear()
-        self.kept.clear()
         try:
             self.h5.close()
         except _H5_ERRORS:  # pragma: no cover - closing must never raise
@@ -724,15 +766,15 @@ def read_hdf5(
 ) -> np.ndarray:
     """Rows ``[start, stop)`` of dataset ``name`` as a fresh C-contiguous array of ``dtype``.
 
-    Slabs read in order decompress each chunk once, however they cut its rows, as long as a row of chunks
-    fits in :data:`READ_BUDGET` (see :func:`span_length`).
+    Inside :func:`keep_spans`, slabs read in order decompress each chunk once, however they cut its rows, as
+    long as a row of chunks fits in :data:`READ_BUDGET` (see :func:`span_length`).
     """
     handle = cached_handle(file, _Handle)
     ds = handle.dataset(name, shape, dtype)
     out = np.empty((stop - start,) + tuple(shape[1:]) if shape else (), dtype=dtype)
     if out.size == 0:
         return out
-    span = span_length(shape, ds.chunks, dtype.itemsize) if ds.shape else None
+    span = span_length(shape, ds.chunks, dtype.itemsize) if ds.shape and _SPANS.operations else None
     if span is None:
         _read_rows(file, name, ds, start, stop, out)
         return out
@@ -741,8 +783,8 @@ def read_hdf5(
             _read_rows(file, name, ds, lo, hi, out[lo - start : hi - start])
             continue
         first = index * span
-        rows = handle.span(name, ds, index, span, dtype, shape)
+        rows = _SPANS.take(handle, name, ds, index, span, dtype, shape)
         out[lo - start : hi - start] = rows[lo - first : hi - first]
         if hi == min(first + span, shape[0]):
-            handle.release(name, index)
+            _SPANS.release(handle, name, index)
     return out

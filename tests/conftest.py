@@ -36,3 +36,34 @@ def dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+@pytest.fixture
+def hdf5_reads(monkeypatch):
+    """The rows ``(start, stop)`` of every read h5py is asked for, in order."""
+    import h5py
+
+    reads = []
+    read_direct, getitem = h5py.Dataset.read_direct, h5py.Dataset.__getitem__
+
+    def direct(ds, dest, source_sel=None, dest_sel=None):
+        reads.append((source_sel.start, source_sel.stop))
+        return read_direct(ds, dest, source_sel, dest_sel)
+
+    def item(ds, args, **kwargs):
+        if isinstance(args, slice):
+            reads.append((args.start, args.stop))
+        return getitem(ds, args, **kwargs)
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", direct)
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", item)
+    return reads
+
+
+@pytest.fixture
+def spans_kept():
+    """A function listing the spans of HDF5 chunks this process keeps between reads, oldest first: (file
+    name, dataset, span index) of each."""
+    from dctchop.formats.hdf5 import _SPANS
+
+    return lambda: [(os.path.basename(handle.file), name, index) for handle, name, index in _SPANS.kept]

@@ -90,6 +90,28 @@ def test_cluster_writes_to_an_fsspec_url(tmp_path, source_h5, cluster):
     np.testing.assert_array_equal(dctchop.open(url)[:], dctchop.open(local)[:])
 
 
+def test_cluster_workers_keep_no_spans_after_their_tasks(tmp_path, cluster, monkeypatch):
+    """A task reading rows of HDF5 chunks it does not finish left their span on the worker's cached handle,
+    up to 256 MB a file, for as long as the worker lived. Each task's spans are dropped at its end."""
+    from dctchop import store
+
+    x = np.random.default_rng(5).integers(0, 255, (48, 16, 16), dtype=np.uint8)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f.create_dataset("images", data=x, chunks=(48, 1, 16), compression="gzip")
+    monkeypatch.setattr(store, "DASK_TASK_BYTES", 1)  # a task per chunk: every task but the last leaves rows
+    compress(open_source(str(tmp_path / "in.h5")), tmp_path / "out.zarr",
+             CompressOptions(chunk_samples=8, scheduler=cluster.scheduler_address))
+
+    def kept() -> int:
+        from dctchop.formats.hdf5 import _SPANS
+
+        return len(_SPANS.kept)
+
+    with distributed.Client(cluster) as client:
+        assert list(client.run(kept).values()) == [0, 0]
+    assert dctchop.open(tmp_path / "out.zarr")["images"].shape == x.shape
+
+
 def test_workers_reuse_freed_buffers(cluster):
     """Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_ set, which stops glibc from reusing freed large
     buffers: each chunk's 4-50 MB temporaries would fault all their pages in again (the cause of a 40% slower

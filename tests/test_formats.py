@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import FrozenInstanceError
 
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from dctchop.errors import DctchopError
 from dctchop.formats import _HANDLES, Source, SourceArray, close_all, open_source
+from dctchop.formats.hdf5 import keep_spans
 
 
 @pytest.fixture(autouse=True)
@@ -865,40 +867,14 @@ def test_virtual_dataset_source_found_where_hdf5_looks_first(tmp_path, monkeypat
 
 
 # --------------------------------------------------------------------------------------------------------
-# HDF5 chunks that slabs cut: each row of chunks read once
+# HDF5 chunks that slabs cut: each row of chunks read once, for the length of one operation
 # --------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def hdf5_reads(monkeypatch):
-    """The rows ``(start, stop)`` of every read h5py is asked for, in order."""
-    reads = []
-    read_direct, getitem = h5py.Dataset.read_direct, h5py.Dataset.__getitem__
-
-    def direct(ds, dest, source_sel=None, dest_sel=None):
-        reads.append((source_sel.start, source_sel.stop))
-        return read_direct(ds, dest, source_sel, dest_sel)
-
-    def item(ds, args, **kwargs):
-        if isinstance(args, slice):
-            reads.append((args.start, args.stop))
-        return getitem(ds, args, **kwargs)
-
-    monkeypatch.setattr(h5py.Dataset, "read_direct", direct)
-    monkeypatch.setattr(h5py.Dataset, "__getitem__", item)
-    return reads
 
 
 def _chunked(path, x, chunks, compression=None):
     with h5py.File(path, "w") as f:
         f.create_dataset("x", data=x, chunks=chunks, compression=compression)
     return open_source(path, lossless=["x"] if x.dtype.names else ()).arrays[0]
-
-
-def _kept(path):
-    """The spans the file's handle keeps between reads."""
-    (handle,) = [h for (pid, p), (_, h) in _HANDLES.items() if p == str(path) and pid == os.getpid()]
-    return handle.kept
 
 
 def test_hdf5_span_length():
@@ -922,21 +898,24 @@ def test_hdf5_span_length():
         ((40, 3), (40, 3), "gzip", [("a", "<i4"), ("b", ">f8")]),  # records, read through h5py's getitem
     ],
 )
-def test_hdf5_slabs_in_order_read_chunk_rows_once(tmp_path, hdf5_reads, shape, chunks, compression, dtype):
+def test_hdf5_slabs_in_order_read_chunk_rows_once(tmp_path, hdf5_reads, spans_kept, shape, chunks, compression,
+                                                  dtype):
     """HDF5 decompresses a chunk whole for any part of it: slabs of 5 samples through chunks of 40 along axis 0
     decompressed each chunk 8 times, once per slab (a compress of 400000 such samples took 27 s, not 3)."""
     x = np.random.default_rng(0).integers(0, 100, shape).astype(dtype)
     a = _chunked(tmp_path / "c.h5", x, chunks, compression)
-    got = np.concatenate([a.read(s, s + 5) for s in range(0, 40, 5)])
+    with keep_spans():
+        got = np.concatenate([a.read(s, s + 5) for s in range(0, 40, 5)])
+        assert spans_kept() == []  # each span was dropped once a read took its last row
     np.testing.assert_array_equal(got, x)
     c0 = chunks[0]
     for row in range(-(-40 // c0)):
         touching = [(lo, hi) for lo, hi in hdf5_reads if lo < (row + 1) * c0 and hi > row * c0]
         assert len(touching) == 1, (row, hdf5_reads)
-    assert _kept(tmp_path / "c.h5") == {}  # each span was dropped once a read took its last row
 
 
-def test_hdf5_slabs_read_in_turns_from_two_stretches_read_each_row_once(tmp_path, hdf5_reads, monkeypatch):
+def test_hdf5_slabs_read_in_turns_from_two_stretches_read_each_row_once(tmp_path, hdf5_reads, spans_kept,
+                                                                         monkeypatch):
     """Dask's threads each encode a stretch of consecutive chunks, so one process reads slabs from several
     places in turns: the spans of each are kept (up to READ_BUDGET in all), not read again for the other's."""
     from dctchop.formats import hdf5
@@ -945,28 +924,33 @@ def test_hdf5_slabs_read_in_turns_from_two_stretches_read_each_row_once(tmp_path
     a = _chunked(tmp_path / "t.h5", x, (10, 6, 8), "gzip")
     turns = [(s, s + 4) for s in range(0, 20, 4)]
     turns = [r for pair in zip(turns, [(s + 20, e + 20) for s, e in turns]) for r in pair]
-    for start, stop in turns:
-        np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
+    with keep_spans():
+        for start, stop in turns:
+            np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
     assert sorted(hdf5_reads) == [(0, 10), (10, 20), (20, 30), (30, 40)]
     hdf5_reads.clear()
     monkeypatch.setattr(hdf5, "READ_BUDGET", 10 * 48)  # room for one span: the oldest is dropped
-    for start, stop in [(1, 3), (21, 23), (3, 5)]:
-        np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
-    assert hdf5_reads == [(0, 10), (20, 30), (0, 10)] and list(_kept(tmp_path / "t.h5")) == [("/x", 0)]
+    with keep_spans():
+        for start, stop in [(1, 3), (21, 23), (3, 5)]:
+            np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
+        assert spans_kept() == [("t.h5", "/x", 0)]
+    assert hdf5_reads == [(0, 10), (20, 30), (0, 10)]
 
 
 @pytest.mark.parametrize("chunks", [None, (5, 6, 8), (1, 6, 8)])
-def test_hdf5_slabs_of_whole_rows_are_read_directly(tmp_path, hdf5_reads, chunks):
+def test_hdf5_slabs_of_whole_rows_are_read_directly(tmp_path, hdf5_reads, spans_kept, chunks):
     """Contiguous data, and slabs made of whole rows of chunks, are read straight into the result."""
     x = np.arange(40 * 48, dtype=np.uint16).reshape(40, 6, 8)
     a = _chunked(tmp_path / "d.h5", x, chunks)
-    for s in range(0, 40, 10):
-        np.testing.assert_array_equal(a.read(s, s + 10), x[s : s + 10])
+    with keep_spans():
+        for s in range(0, 40, 10):
+            np.testing.assert_array_equal(a.read(s, s + 10), x[s : s + 10])
+        assert spans_kept() == []
     assert hdf5_reads == [(s, s + 10) for s in range(0, 40, 10)]
-    assert _kept(tmp_path / "d.h5") == {}
 
 
-def test_hdf5_a_row_beyond_the_budget_is_read_in_spans_of_the_budget(tmp_path, hdf5_reads, monkeypatch):
+def test_hdf5_a_row_beyond_the_budget_is_read_in_spans_of_the_budget(tmp_path, hdf5_reads, spans_kept,
+                                                                      monkeypatch):
     """Memory stays bounded when one row of chunks is larger than READ_BUDGET: spans of READ_BUDGET bytes,
     each read once, each decompressing the row again."""
     from dctchop.formats import hdf5
@@ -974,10 +958,11 @@ def test_hdf5_a_row_beyond_the_budget_is_read_in_spans_of_the_budget(tmp_path, h
     monkeypatch.setattr(hdf5, "READ_BUDGET", 10 * 48)  # 10 samples of 6 x 8 bytes
     x = np.random.default_rng(1).integers(0, 255, (40, 6, 8), dtype=np.uint8)
     a = _chunked(tmp_path / "b.h5", x, (40, 1, 8), "gzip")
-    got = [a.read(s, s + 4) for s in range(0, 40, 4)]
+    with keep_spans():
+        got = [a.read(s, s + 4) for s in range(0, 40, 4)]
+        assert spans_kept() == []
     np.testing.assert_array_equal(np.concatenate(got), x)
     assert hdf5_reads == [(0, 10), (10, 20), (20, 30), (30, 40)]
-    assert _kept(tmp_path / "b.h5") == {}
 
 
 @pytest.mark.parametrize("chunks", [(40, 1, 8), (7, 3, 5), (16, 6, 8)])
@@ -985,28 +970,121 @@ def test_hdf5_slabs_in_any_order_and_from_threads_read_right(tmp_path, chunks):
     x = np.random.default_rng(2).standard_normal((40, 6, 8)).astype(np.float32)
     a = _chunked(tmp_path / "r.h5", x, chunks, "gzip")
     rng = np.random.default_rng(3)
-    for _ in range(60):
-        start = int(rng.integers(0, 40))
-        stop = int(rng.integers(start, 41))
-        np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
-    slabs = [(s, min(s + 3, 40)) for s in range(0, 40, 3)]
-    with ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda r: a.read(*r), slabs * 3))
+    with keep_spans():
+        for _ in range(60):
+            start = int(rng.integers(0, 40))
+            stop = int(rng.integers(start, 41))
+            np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
+        slabs = [(s, min(s + 3, 40)) for s in range(0, 40, 3)]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda r: a.read(*r), slabs * 3))
     np.testing.assert_array_equal(np.concatenate(got), np.concatenate([x] * 3))
 
 
-def test_hdf5_a_change_is_caught_when_the_rows_come_from_a_kept_span(tmp_path):
+def test_hdf5_a_change_is_caught_when_the_rows_come_from_a_kept_span(tmp_path, spans_kept):
     path = tmp_path / "s.h5"
     x = np.arange(40 * 48, dtype=np.float32).reshape(40, 6, 8)
     a = _chunked(path, x, (40, 1, 8))
-    np.testing.assert_array_equal(a.read(0, 4), x[:4])
-    assert list(_kept(path)) == [("/x", 0)]  # rows 4:40 are held for the next slabs
-    _chunked(tmp_path / "other.h5", -x, (40, 1, 8))
-    os.utime(tmp_path / "other.h5", ns=(10, 10))
-    os.replace(tmp_path / "other.h5", path)
-    with pytest.raises(DctchopError, match="changed since it was opened"):
-        a.read(4, 8)
+    with keep_spans():
+        np.testing.assert_array_equal(a.read(0, 4), x[:4])
+        assert spans_kept() == [("s.h5", "/x", 0)]  # rows 4:40 are held for the next slabs
+        _chunked(tmp_path / "other.h5", -x, (40, 1, 8))
+        os.utime(tmp_path / "other.h5", ns=(10, 10))
+        os.replace(tmp_path / "other.h5", path)
+        with pytest.raises(DctchopError, match="changed since it was opened"):
+            a.read(4, 8)
     close_all(path)
+
+
+def test_hdf5_reads_outside_an_operation_keep_nothing(tmp_path, hdf5_reads, spans_kept):
+    """Spans were kept on the file's cached handle until the process ended, unless a read took their last
+    row: a preview of samples 3 and 1000 of each of two stores of 300000 images in chunks of (300000, 1, 32)
+    left 512 MB behind in a notebook. Reads outside :func:`keep_spans` read what they are asked for."""
+    x = np.random.default_rng(5).integers(0, 255, (40, 6, 8), dtype=np.uint8)
+    a = _chunked(tmp_path / "o.h5", x, (40, 1, 8), "gzip")
+    for start, stop in [(3, 4), (30, 31), (0, 5)]:
+        np.testing.assert_array_equal(a.read(start, stop), x[start:stop])
+    assert spans_kept() == [] and hdf5_reads == [(3, 4), (30, 31), (0, 5)]
+
+
+def test_hdf5_spans_last_as_long_as_the_outermost_operation(tmp_path, hdf5_reads, spans_kept):
+    """Spans are dropped when the last keep_spans block running ends, on an error too; blocks nest (a
+    compress's Dask tasks on local threads run inside the compress's), so the inner ones keep them."""
+    x = np.random.default_rng(6).integers(0, 255, (40, 6, 8), dtype=np.uint8)
+    a = _chunked(tmp_path / "n.h5", x, (40, 1, 8), "gzip")
+    with keep_spans():
+        with keep_spans():
+            a.read(3, 4)
+        assert spans_kept() == [("n.h5", "/x", 0)]
+        a.read(30, 31)
+    assert spans_kept() == [] and hdf5_reads == [(0, 40)]
+    with pytest.raises(KeyboardInterrupt), keep_spans():
+        a.read(3, 4)
+        raise KeyboardInterrupt
+    assert spans_kept() == []
+
+
+def test_hdf5_spans_of_all_files_share_one_budget(tmp_path, hdf5_reads, spans_kept, monkeypatch):
+    """The budget was per file: a process reading two files kept twice READ_BUDGET."""
+    from dctchop.formats import hdf5
+
+    monkeypatch.setattr(hdf5, "READ_BUDGET", 40 * 48)  # one span of 40 samples of 6 x 8 bytes
+    x = np.random.default_rng(7).integers(0, 255, (40, 6, 8), dtype=np.uint8)
+    a, b = (_chunked(tmp_path / f"{name}.h5", x, (40, 1, 8), "gzip") for name in "ab")
+    with keep_spans():
+        a.read(3, 4)
+        b.read(3, 4)
+        assert spans_kept() == [("b.h5", "/x", 0)]
+        a.read(5, 6)
+        assert spans_kept() == [("a.h5", "/x", 0)]
+    assert hdf5_reads == [(0, 40)] * 3
+
+
+def test_hdf5_a_file_closed_while_its_span_is_read_keeps_nothing(tmp_path, spans_kept, monkeypatch):
+    """close_all from another thread cleared a handle's spans without its lock: during a span's read it
+    could raise "dictionary changed size during iteration", or leave the span kept for a closed file."""
+    from dctchop.formats import hdf5
+
+    x = np.random.default_rng(8).integers(0, 255, (40, 6, 8), dtype=np.uint8)
+    a = _chunked(tmp_path / "c.h5", x, (40, 1, 8), "gzip")
+    read_rows, closing = hdf5._read_rows, []
+
+    def read_while_closing(*args):
+        closing.append(threading.Thread(target=close_all, args=(tmp_path / "c.h5",)))
+        closing[0].start()
+        closing[0].join(0.2)
+        assert closing[0].is_alive()  # the close waits for the span
+        read_rows(*args)
+
+    monkeypatch.setattr(hdf5, "_read_rows", read_while_closing)
+    with keep_spans():
+        np.testing.assert_array_equal(a.read(3, 4), x[3:4])
+        closing[0].join()
+        assert spans_kept() == []
+        monkeypatch.setattr(hdf5, "_read_rows", read_rows)
+        np.testing.assert_array_equal(a.read(4, 5), x[4:5])  # reopened
+
+
+def test_inspect_verify_and_sweep_read_each_row_of_chunks_once_and_keep_nothing(tmp_path, hdf5_reads, spans_kept):
+    """inspect --verify reads the source chunk by chunk, sweep its evenly spaced samples one by one: sweep left
+    the spans of the rows whose last sample it did not pick kept until the process ended."""
+    from dctchop.inspect import inspect_store
+    from dctchop.store import CompressOptions, compress
+    from dctchop.sweep import read_sample
+
+    x = np.random.default_rng(11).integers(0, 255, (60, 24, 16), dtype=np.uint8)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f.create_dataset("images", data=x, chunks=(20, 1, 16), compression="gzip")  # 3 rows of chunks
+    (array,) = open_source(tmp_path / "in.h5").lossy
+    compress(open_source(tmp_path / "in.h5"), tmp_path / "out.zarr", CompressOptions(chunk_samples=8))
+    hdf5_reads.clear()
+    assert inspect_store(tmp_path / "out.zarr", verify=tmp_path / "in.h5")["verify"]["images"]["mismatches"] == []
+    assert hdf5_reads == [(0, 20), (20, 40), (40, 60)] and spans_kept() == []
+    hdf5_reads.clear()
+    sample, where = read_sample(array, (1, 2), 5)
+    assert where["indices"] == [0, 15, 30, 44, 59]
+    np.testing.assert_array_equal(sample, x[where["indices"]])
+    assert hdf5_reads == [(0, 20), (20, 40), (40, 60)] and spans_kept() == []
 
 
 # --------------------------------------------------------------------------------------------------------

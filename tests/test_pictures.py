@@ -220,6 +220,24 @@ def test_preview_draws_a_large_field_reduced_with_full_resolution_figures(tmp_pa
 
 
 @needs_mpl
+def test_preview_reads_a_row_of_hdf5_chunks_once_and_keeps_nothing(tmp_path, hdf5_reads, spans_kept):
+    """Two samples of one row of chunks: the row is read once, and dropped when the preview ends (kept on the
+    file's handle, it stayed until the process ended: 256 MB per store previewed, in a notebook)."""
+    from dctchop.formats import open_source
+    from dctchop.preview import preview
+    from dctchop.store import CompressOptions, compress
+
+    x = np.random.default_rng(0).integers(0, 255, (40, 16, 16), dtype=np.uint8)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f.create_dataset("images", data=x, chunks=(40, 1, 16), compression="gzip")
+    compress(open_source(str(tmp_path / "in.h5")), tmp_path / "in.zarr", CompressOptions(chunk_samples=8))
+    hdf5_reads.clear()
+    result = preview(tmp_path / "in.zarr", tmp_path / "p.png", indices=[3, 30])
+    assert [s["index"] for s in result["samples"]] == [3, 30]
+    assert hdf5_reads == [(0, 40)] and spans_kept() == []
+
+
+@needs_mpl
 @pytest.mark.parametrize("link", ["hard", "soft"])
 def test_preview_takes_an_array_by_a_link_name_as_open_does(tmp_path, link):
     # "--array alias" was refused ("has no compressed array 'alias'") where dctchop.open reads through it
