@@ -606,8 +606,8 @@ def span_length(shape: tuple[int, ...], chunks: tuple[int, ...] | None, itemsize
     that cuts through a row of chunks (those at the same place along axis 0) left the rest of the row to the
     next slabs, and each decompressed it again: with chunks of (N, 1, 32) over N = 400000 samples, the whole
     dataset once per slab, 98 times. So inside :func:`keep_spans`, the part of a slab that cuts through a row
-    is taken from a span, the whole row read once and kept (:meth:`_Spans.take`); the whole rows inside a
-    slab are read directly.
+    is taken from a span, the whole row read once and kept until each of its rows was taken
+    (:meth:`_Spans.copy`); the whole rows inside a slab are read directly.
 
     A row of more than :data:`READ_BUDGET` bytes is not held whole: its spans are READ_BUDGET bytes of
     samples each, and reading one decompresses every chunk of the row it crosses. Memory stays bounded, and
@@ -648,30 +648,34 @@ class _Spans:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # one thread reads a span, the others wanting it wait for it
-        self.kept: dict[tuple[_Handle, str, int], np.ndarray] = {}  # (file, dataset, span index) -> rows, oldest first
+        # (file, dataset, span index) -> its rows and which of them no read has taken yet, oldest first
+        self.kept: dict[tuple[_Handle, str, int], tuple[np.ndarray, np.ndarray]] = {}
         self.operations = 0  # keep_spans blocks running
 
-    def take(self, handle: _Handle, name: str, ds, index: int, span: int, dtype, shape) -> np.ndarray:
-        """Rows ``[index * span, (index + 1) * span)`` of dataset ``name``, read on the first call and kept for
-        the next ones, the oldest dropped first to stay within :data:`READ_BUDGET`: the threads of a Dask
-        worker each read their own stretch of slabs, in turns."""
+    def copy(self, handle: _Handle, name: str, ds, index: int, span: int, shape, lo: int, hi: int,
+             out: np.ndarray) -> None:
+        """Copy rows ``[lo, hi)`` of dataset ``name``, which lie in its span ``index`` (rows ``[index * span,
+        (index + 1) * span)``), into ``out``. The span is read on the first call and kept until every row of it
+        has been taken: a compress's threads take their slabs in any order, and dropping a span once a read
+        took its last row made the one before it read the span again. The oldest spans are dropped first to
+        stay within :data:`READ_BUDGET`: the threads of a Dask worker each read their own stretch of slabs,
+        in turns."""
+        key, first = (handle, name, index), index * span
         with self.lock:
-            rows = self.kept.pop((handle, name, index), None)
-            if rows is None:
-                lo, hi = index * span, min(index * span + span, shape[0])
-                size = (hi - lo) * math.prod(shape[1:]) * dtype.itemsize
-                while self.kept and sum(r.nbytes for r in self.kept.values()) + size > READ_BUDGET:
+            kept = self.kept.pop(key, None)
+            if kept is None:
+                end = min(first + span, shape[0])
+                size = (end - first) * math.prod(shape[1:]) * out.itemsize
+                while self.kept and sum(rows.nbytes for rows, _ in self.kept.values()) + size > READ_BUDGET:
                     del self.kept[next(iter(self.kept))]
-                rows = np.empty((hi - lo, *shape[1:]), dtype=dtype)
-                _read_rows(handle.file, name, ds, lo, hi, rows)
-            if self.operations:  # once the last operation has ended, nothing would drop it
-                self.kept[(handle, name, index)] = rows
-            return rows
-
-    def release(self, handle: _Handle, name: str, index: int) -> None:
-        """Drop span ``index`` of ``name``: a read took its last row, the reads after it need the next span."""
-        with self.lock:
-            self.kept.pop((handle, name, index), None)
+                rows = np.empty((end - first, *shape[1:]), dtype=out.dtype)
+                _read_rows(handle.file, name, ds, first, end, rows)
+                kept = rows, np.ones(end - first, dtype=bool)
+            rows, left = kept
+            out[...] = rows[lo - first : hi - first]
+            left[lo - first : hi - first] = False
+            if self.operations and left.any():  # once the last operation has ended, nothing would drop it
+                self.kept[key] = kept
 
     def forget(self, handle: _Handle) -> None:
         """Drop the spans of a file whose handle closes (rewritten, or closed by :func:`close_all`)."""
@@ -781,10 +785,6 @@ def read_hdf5(
     for lo, hi, index in _pieces(start, stop, shape[0], span):
         if index is None:
             _read_rows(file, name, ds, lo, hi, out[lo - start : hi - start])
-            continue
-        first = index * span
-        rows = _SPANS.take(handle, name, ds, index, span, dtype, shape)
-        out[lo - start : hi - start] = rows[lo - first : hi - first]
-        if hi == min(first + span, shape[0]):
-            _SPANS.release(handle, name, index)
+        else:
+            _SPANS.copy(handle, name, ds, index, span, shape, lo, hi, out[lo - start : hi - start])
     return out

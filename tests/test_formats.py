@@ -1065,6 +1065,27 @@ def test_hdf5_a_file_closed_while_its_span_is_read_keeps_nothing(tmp_path, spans
         np.testing.assert_array_equal(a.read(4, 5), x[4:5])  # reopened
 
 
+@pytest.mark.parametrize("scheduler, ratio", [
+    (None, None),
+    ("threads", None),  # Dask tasks on local threads share the compress's spans
+    (None, 6.0),  # a --ratio search on one chunk (its sample held to one): its span serves the writing after it
+])
+def test_compress_reads_each_row_of_chunks_once_and_keeps_nothing(tmp_path, hdf5_reads, spans_kept, monkeypatch,
+                                                                  scheduler, ratio):
+    from dctchop import store
+    from dctchop.store import CompressOptions, Target, compress
+
+    rng = np.random.default_rng(10)
+    x = (np.linspace(0, 200, 48 * 16).reshape(1, 48, 16) + rng.integers(0, 30, (64, 48, 16))).astype(np.uint8)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f.create_dataset("images", data=x, chunks=(64, 1, 16), compression="gzip")  # one row: every sample
+    monkeypatch.setattr(store, "RATIO_SAMPLE_BYTES", 8 * x[0].nbytes)
+    options = CompressOptions(chunk_samples=8, workers=2, scheduler=scheduler,
+                              target=Target("ratio", ratio) if ratio else None)
+    compress(open_source(tmp_path / "in.h5"), tmp_path / "out.zarr", options)
+    assert hdf5_reads == [(0, 64)] and spans_kept() == []
+
+
 def test_inspect_verify_and_sweep_read_each_row_of_chunks_once_and_keep_nothing(tmp_path, hdf5_reads, spans_kept):
     """inspect --verify reads the source chunk by chunk, sweep its evenly spaced samples one by one: sweep left
     the spans of the rows whose last sample it did not pick kept until the process ended."""
