@@ -653,13 +653,13 @@ class _Spans:
         self.operations = 0  # keep_spans blocks running
 
     def copy(self, handle: _Handle, name: str, ds, index: int, span: int, shape, lo: int, hi: int,
-             out: np.ndarray) -> None:
+             out: np.ndarray, asked: tuple[int, int]) -> None:
         """Copy rows ``[lo, hi)`` of dataset ``name``, which lie in its span ``index`` (rows ``[index * span,
         (index + 1) * span)``), into ``out``. The span is read on the first call and kept until every row of it
         has been taken: a compress's threads take their slabs in any order, and dropping a span once a read
         took its last row made the one before it read the span again. The oldest spans are dropped first to
         stay within :data:`READ_BUDGET`: the threads of a Dask worker each read their own stretch of slabs,
-        in turns."""
+        in turns. ``asked``: the rows the caller reads, which an error names."""
         key, first = (handle, name, index), index * span
         with self.lock:
             kept = self.kept.pop(key, None)
@@ -669,7 +669,7 @@ class _Spans:
                 while self.kept and sum(rows.nbytes for rows, _ in self.kept.values()) + size > READ_BUDGET:
                     del self.kept[next(iter(self.kept))]
                 rows = np.empty((end - first, *shape[1:]), dtype=out.dtype)
-                _read_rows(handle.file, name, ds, first, end, rows)
+                _read_rows(handle.file, name, ds, first, end, rows, asked)
                 kept = rows, np.ones(end - first, dtype=bool)
             rows, left = kept
             out[...] = rows[lo - first : hi - first]
@@ -744,9 +744,11 @@ def _numeric_class(ds) -> bool:
     return ds.id.get_type().get_class() in (h5t.INTEGER, h5t.FLOAT)
 
 
-def _read_rows(file: str, name: str, ds, start: int, stop: int, out: np.ndarray) -> None:
+def _read_rows(file: str, name: str, ds, start: int, stop: int, out: np.ndarray,
+               asked: tuple[int, int] | None = None) -> None:
     """Read rows ``[start, stop)`` of ``ds`` (of an array, or the elements of a scalar's array datatype) into
-    ``out``.
+    ``out``. ``asked``: the rows the caller reads, when these are a part of them or a span around them; an
+    error names them.
 
     HDF5 converts the byte order of integers and floats while reading (``read_direct`` into a native
     buffer), so big-endian numbers cost no extra copy. Other types are read as h5py types them and copied:
@@ -760,9 +762,10 @@ def _read_rows(file: str, name: str, ds, start: int, stop: int, out: np.ndarray)
         else:  # strings, bitfields, compounds, ...; and HDF5 array datatypes, whose shape read_direct cannot fill
             out[...] = ds[start:stop]
     except _H5_ERRORS as exc:
-        raise DctchopError(
-            f"{file}: cannot read dataset {name} rows {start}:{stop} ({first_line(exc)})"
-        ) from None
+        rows = f"{start}:{stop}"
+        if asked is not None and asked != (start, stop):
+            rows = f"{asked[0]}:{asked[1]} (reading rows {rows} for them)"
+        raise DctchopError(f"{file}: cannot read dataset {name} rows {rows} ({first_line(exc)})") from None
 
 
 def read_hdf5(
@@ -784,7 +787,7 @@ def read_hdf5(
         return out
     for lo, hi, index in _pieces(start, stop, shape[0], span):
         if index is None:
-            _read_rows(file, name, ds, lo, hi, out[lo - start : hi - start])
+            _read_rows(file, name, ds, lo, hi, out[lo - start : hi - start], (start, stop))
         else:
-            _SPANS.copy(handle, name, ds, index, span, shape, lo, hi, out[lo - start : hi - start])
+            _SPANS.copy(handle, name, ds, index, span, shape, lo, hi, out[lo - start : hi - start], (start, stop))
     return out

@@ -1065,6 +1065,23 @@ def test_hdf5_a_file_closed_while_its_span_is_read_keeps_nothing(tmp_path, spans
         np.testing.assert_array_equal(a.read(4, 5), x[4:5])  # reopened
 
 
+def test_hdf5_a_span_that_cannot_be_read_names_the_rows_asked_for(tmp_path, monkeypatch):
+    """The message named the span's rows (rows 0:262144), which the caller never asked for."""
+    x = np.random.default_rng(9).integers(0, 255, (40, 6, 8), dtype=np.uint8)
+    a = _chunked(tmp_path / "e.h5", x, (40, 1, 8), "gzip")
+
+    def broken(ds, dest, source_sel=None, dest_sel=None):
+        raise OSError("Can't read data (inflate() failed)")
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", broken)
+    with keep_spans(), pytest.raises(DctchopError) as caught:
+        a.read(4, 8)
+    assert str(caught.value) == (f"{tmp_path / 'e.h5'}: cannot read dataset /x rows 4:8 (reading rows 0:40 for "
+                                 "them) (Can't read data (inflate() failed))")
+    with pytest.raises(DctchopError, match=r"rows 4:8 \(Can't read"):  # read directly: the rows asked for
+        a.read(4, 8)
+
+
 @pytest.mark.parametrize("scheduler, ratio", [
     (None, None),
     ("threads", None),  # Dask tasks on local threads share the compress's spans
