@@ -203,14 +203,21 @@ SLAB = 1 << 20  # values per float64 step of the error sums: 8 MB temporaries, w
 
 def _errors(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """(sum of squared errors, max absolute error) of ``y`` against ``x``: exact float64 sums, a slab of
-    :data:`SLAB` values at a time (whole-sample float64 temporaries added 0.4 GB to a 6000x6000 preview)."""
+    :data:`SLAB` values at a time (whole-sample float64 temporaries added 0.4 GB to a 6000x6000 preview).
+    A NaN in ``x`` (a --source file with one) makes both NaN."""
     x, y = x.reshape(-1), y.reshape(-1)
     sse, max_err = 0.0, 0.0
     for s in range(0, x.size, SLAB):
         d = y[s : s + SLAB].astype(np.float64) - x[s : s + SLAB]
         sse += float(np.sum(d * d))
-        max_err = max(max_err, float(np.max(np.abs(d))))
+        max_err = _max(max_err, float(np.max(np.abs(d))))
     return sse, max_err
+
+
+def _max(a: float, b: float) -> float:
+    """The larger of two errors, NaN if either is: max() keeps its first argument against a NaN, and the title
+    said "sample max 0" beside PSNR nan."""
+    return float(np.maximum(a, b))
 
 
 @dataclass
@@ -245,7 +252,7 @@ def _read_rows(src, arr, entry: dict, view: View, indices: list[int]) -> list[Ro
     for s, e in ranges:
         x, y = src.read(s, e), arr[s:e]
         chunk_sse, chunk_max = _errors(x, y)
-        sse, max_err = sse + chunk_sse, max(max_err, chunk_max)
+        sse, max_err = sse + chunk_sse, _max(max_err, chunk_max)
         if 0 in view.fixed:
             if s <= view.fixed[0] < e:
                 xs.append(_picture(x, view, view.fixed[0] - s))
@@ -284,14 +291,26 @@ def open_original(source_path: str, entry: dict, recorded: bool, follow_external
 # ---------------------------------------------------------------------------------------------- drawing
 
 
+def _finite_range(x: np.ndarray) -> tuple[float, float]:
+    """(min, max) of the finite values of ``x``, (0, 0) when it has none: a NaN or an infinity (from a --source
+    file with them) made the colour scales NaN, which drew the pictures to another scale or none."""
+    lo, hi = float(x.min()), float(x.max())
+    if math.isfinite(lo) and math.isfinite(hi):
+        return lo, hi
+    finite = np.isfinite(x)
+    if not finite.any():
+        return 0.0, 0.0
+    return float(np.min(x, where=finite, initial=np.inf)), float(np.max(x, where=finite, initial=-np.inf))
+
+
 def _display_range(x: np.ndarray, dtype: np.dtype, kind: str) -> tuple[float, float, str]:
     """(vmin, vmax, colormap) shared by the original and decoded pictures."""
     if kind == "image":
         if dtype == np.uint8:
             return 0.0, 255.0, "gray"
-        lo, hi = float(x.min()), float(x.max())
+        lo, hi = _finite_range(x)
         return lo, hi if hi > lo else lo + 1, "gray"
-    lo, hi = float(x.min()), float(x.max())
+    lo, hi = _finite_range(x)
     if lo < 0 < hi:
         m = max(-lo, hi)
         return -m, m, "RdBu_r"
@@ -307,7 +326,7 @@ def _fmt(v: float) -> str:
 
 
 def _num(v: float) -> str:
-    return f"{v:.3g}" if v != int(v) or abs(v) >= 1e4 else f"{int(v)}"
+    return f"{v:.3g}" if not math.isfinite(v) or v != int(v) or abs(v) >= 1e4 else f"{int(v)}"
 
 
 def _px(fig_h: int, x: float, y_top: float, w: float, h: float) -> list[float]:
@@ -375,7 +394,7 @@ def draw(rows: list[Row], view: View, dtype: np.dtype, header: tuple[str, str], 
         np.abs(err, out=err)
         if view.rgb_axis is not None:
             err = err.max(axis=-1)
-        err_max = float(err.max()) or 1.0
+        err_max = _finite_range(err)[1] or 1.0
         interp = "nearest" if max(row.original.shape[:2]) <= PANEL_H else "antialiased"
         h, w = row.original.shape[:2]  # square pixels, unless the picture would thin to a line
         aspect = "auto" if max(h, w) > MAX_ELONGATION * min(h, w) else "equal"

@@ -220,6 +220,35 @@ def test_preview_draws_a_large_field_reduced_with_full_resolution_figures(tmp_pa
 
 
 @needs_mpl
+def test_preview_of_a_source_with_a_nan_says_nan_and_keeps_finite_colour_scales(tmp_path, monkeypatch):
+    """A NaN in a --source file: the title said "sample max 0" beside PSNR nan (max() keeps its first argument
+    against a NaN), and the colour scales of all three pictures were NaN."""
+    import dctchop.preview as pv
+    from dctchop.formats import open_source
+    from dctchop.store import CompressOptions, compress
+
+    y, x = np.mgrid[0:32, 0:32].astype(np.float32) / 5
+    field = np.stack([np.sin(x + k) * np.cos(y) for k in range(4)]).astype(np.float32)
+    np.save(tmp_path / "f.npy", field)
+    compress(open_source(str(tmp_path / "f.npy")), tmp_path / "f.zarr", CompressOptions(axes=(1, 2)))
+    field[1, 5, 7] = np.nan
+    np.save(tmp_path / "nan.npy", field)
+    figures, save_png = [], pv.save_png
+    monkeypatch.setattr(pv, "save_png", lambda fig, *args: figures.append(fig) or save_png(fig, *args))
+    result = pv.preview(tmp_path / "f.zarr", tmp_path / "f.png", source=tmp_path / "nan.npy", indices=[1])
+    (sample,) = result["samples"]
+    assert math.isnan(sample["psnr"]) and math.isnan(sample["max_abs_error"])
+    (fig,) = figures
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert [ax.get_title() for ax in panels] == ["sample 1: original", "decoded: PSNR nan dB",
+                                                 "|error| (sample max nan)"]
+    m = float(np.nanmax(np.abs(field[1])))
+    decoded = zarr.open(str(tmp_path / "f.zarr"), mode="r")["data"][1]
+    err = np.abs(decoded - field[1])
+    assert [ax.get_images()[0].get_clim() for ax in panels] == [(-m, m), (-m, m), (0, np.nanmax(err))]
+
+
+@needs_mpl
 def test_preview_reads_a_row_of_hdf5_chunks_once_and_keeps_nothing(tmp_path, hdf5_reads, spans_kept):
     """Two samples of one row of chunks: the row is read once, and dropped when the preview ends (kept on the
     file's handle, it stayed until the process ended: 256 MB per store previewed, in a notebook)."""
@@ -476,6 +505,10 @@ def test_error_sums_go_by_slabs_to_the_whole_sample_s(monkeypatch):
     monkeypatch.setattr(pv, "SLAB", 1000)  # 7 slabs, the last partial
     sse, max_err = pv._errors(x, y)
     assert sse == pytest.approx(float(np.sum(d * d)), rel=1e-12) and max_err == np.abs(d).max()
+    x = x.astype(np.float32)
+    x[0, 0, 0] = np.nan  # in the first slab, the others larger: max() kept 0 against it, then theirs
+    sse, max_err = pv._errors(x, y)
+    assert math.isnan(sse) and math.isnan(max_err)
 
 
 def test_indices():
