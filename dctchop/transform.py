@@ -1138,17 +1138,18 @@ def _slabs(shape, axes, block, keep, mask, n_values: int) -> tuple[Slab, ...]:
 
     axis = 0 if boxes[0][2] is None else 1
     ranges = [_coefficient_rows(plan, axis, *(box[:2] if axis == 0 else box[2])) for box in boxes]
-    unit_ranges = [_coefficient_rows(plan, 0, start, stop) for start, stop, _ in boxes]  # strips' units
     bounds, before_bounds = rows_before(axis, ranges)
-    unit_bounds, before_units = rows_before(0, unit_ranges)
+    if axis:  # each strip's unit of axis 0
+        unit_ranges = [_coefficient_rows(plan, 0, start, stop) for start, stop, _ in boxes]
+        unit_bounds, before_units = rows_before(0, unit_ranges)
     per_sample = lengths // np.array([rows[0].size for rows in runs.rows])  # values per row along axis 0
     per_row = per_sample // np.array([rows[axis].size for rows in runs.rows]) if axis else per_sample
     parts = []
-    for (start, stop, rows), (lo, hi), unit_range in zip(boxes, ranges, unit_ranges):
+    for k, ((start, stop, rows), (lo, hi)) in enumerate(zip(boxes, ranges)):
         before, after = (before_bounds[:, np.searchsorted(bounds, v)] for v in (lo, hi))
         counts, first = (after - before) * per_row, seg_starts[:-1] + before * per_row
         if axis:  # a strip: each run holds none or one of its unit's rows along axis 0
-            unit_before, unit_after = (before_units[:, np.searchsorted(unit_bounds, v)] for v in unit_range)
+            unit_before, unit_after = (before_units[:, np.searchsorted(unit_bounds, v)] for v in unit_ranges[k])
             assert np.all(unit_after - unit_before <= 1), "a strip is not a contiguous piece of every run"
             counts, first = counts * (unit_after - unit_before), first + unit_before * per_sample
         held = counts > 0
