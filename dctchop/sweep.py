@@ -179,10 +179,9 @@ def measure(x: np.ndarray, setting: Setting, settings: ChunkSettings, peak: floa
         if run == 0 and best >= DECODE_MIN_SECONDS:
             break
     sse, max_err = 0.0, 0.0
-    for (s, e), part in zip(ranges, y):
-        d = part[: e - s].astype(np.float64) - x[s:e].astype(np.float64)
-        sse += float(np.sum(d * d))
-        max_err = max(max_err, float(np.max(np.abs(d))))
+    for (s, e), part in zip(ranges, y):  # as compress measures each chunk
+        chunk_sse, chunk_max = qz.error_stats(x[s:e], part[: e - s])
+        sse, max_err = sse + chunk_sse, max(max_err, chunk_max)
     psnr = qz.psnr(sse / x.size, peak)
     stored_bytes = sum(len(b) for b in stored)
     reachable = setting.psnr is None or psnr >= setting.psnr
