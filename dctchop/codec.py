@@ -421,10 +421,7 @@ def _step_for_rounded_output(x: np.ndarray, c: Coefficients, weights, rows, thre
 def _psnr_peak(x: np.ndarray, settings: ChunkSettings) -> float:
     """The peak a chunk's ``target_psnr`` counts with: uint8's 255, else ``settings.peak`` (the whole array's
     range, which ``dctchop compress`` passes), else the chunk's own range."""
-    peak = qz.fixed_peak(x.dtype) or settings.peak
-    if peak is None:
-        peak = qz.range_peak(float(x.min()), float(x.max())) if x.size else 1.0
-    return peak
+    return qz.fixed_peak(x.dtype) or settings.peak or qz.data_peak(x)
 
 
 def _step_bounds(c: Coefficients, weights) -> tuple[float, float]:

@@ -379,3 +379,11 @@ def fixed_peak(dtype) -> float | None:
     data's range (:func:`range_peak`). 16-bit integers mostly hold 10- to 14-bit samples (microscopy, CT, raw
     sensors): against uint16's 65535, a 12-bit image's 40 dB allowed errors of 655, a sixth of its range."""
     return 255.0 if np.dtype(dtype) == np.uint8 else None
+
+
+def data_peak(x: np.ndarray) -> float:
+    """The PSNR peak of ``x`` on its own: uint8's 255, else its range (1 when it is empty or constant)."""
+    peak = fixed_peak(x.dtype)
+    if peak is None:
+        peak = range_peak(float(x.min()), float(x.max())) if x.size else 1.0
+    return peak

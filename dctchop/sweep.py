@@ -226,9 +226,7 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
     else:
         axes, layout = infer_axes(array.shape, array.dtype)
     x, where = read_sample(array, axes, sample)
-    peak = qz.fixed_peak(x.dtype)
-    if peak is None:
-        peak = qz.range_peak(float(x.min()), float(x.max())) if x.size else 1.0
+    peak = qz.data_peak(x)
     threads = resolve_threads(0)  # all cores
     results, skipped, used_axes = [], [], None
     for setting in grid if grid is not None else settings_grid(x.dtype):
