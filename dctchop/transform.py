@@ -142,21 +142,27 @@ def _kind(kinds, i):  # pragma: no cover - compiled
     return kinds[i, 0], kinds[i, 1], kinds[i, 2], kinds[i, 3], kinds[i, 4], kinds[i, 5]
 
 
+@numba.njit(inline="always")
+def _forward_columns(x, y, mat, kinds, n_cols):  # pragma: no cover - compiled
+    """Each block's coefficient rows ``y[r]`` from its samples ``x[s ..]``, vectorised across ``n_cols``
+    columns."""
+    for kind in range(kinds.shape[0]):
+        r0, nr, s0, w, n, m0 = _kind(kinds, kind)
+        for b in range(n):
+            for t in range(nr):
+                r, s = r0 + b * nr + t, s0 + b * w
+                for k in range(n_cols):
+                    y[r, k] = 0.0
+                for j in range(w):
+                    m = mat[m0 + t, j]
+                    for k in range(n_cols):
+                        y[r, k] += m * x[s + j, k]
+
+
 @numba.njit(nogil=True, cache=True)
 def _forward_3d(src, dst, mat, kinds):  # pragma: no cover - compiled
-    n_outer, _, n_inner = src.shape
-    for o in range(n_outer):
-        for kind in range(kinds.shape[0]):
-            r0, nr, s0, w, n, m0 = _kind(kinds, kind)
-            for b in range(n):
-                for t in range(nr):
-                    r, s = r0 + b * nr + t, s0 + b * w
-                    for i in range(n_inner):
-                        dst[o, r, i] = 0.0
-                    for j in range(w):
-                        m = mat[m0 + t, j]
-                        for i in range(n_inner):
-                            dst[o, r, i] += m * src[o, s + j, i]
+    for o in range(src.shape[0]):
+        _forward_columns(src[o], dst[o], mat, kinds, src.shape[2])
 
 
 # When the inner extent is short (the last axis: 1; NHWC's channels: 3) the loop above cannot vectorise.
@@ -173,23 +179,6 @@ def _tiled(length: int, n_inner: int) -> bool:
     return n_inner < SHORT_INNER and length <= TILED_LENGTH
 
 
-@numba.njit(inline="always")
-def _forward_tile(tin, tout, mat, kinds):  # pragma: no cover - compiled
-    """Each block's coefficient rows ``tout[r]`` from its samples ``tin[s ..]``, vectorised across the tile's
-    columns."""
-    for kind in range(kinds.shape[0]):
-        r0, nr, s0, w, n, m0 = _kind(kinds, kind)
-        for b in range(n):
-            for t in range(nr):
-                r, s = r0 + b * nr + t, s0 + b * w
-                for k in range(TILE):
-                    tout[r, k] = 0.0
-                for j in range(w):
-                    m = mat[m0 + t, j]
-                    for k in range(TILE):
-                        tout[r, k] += m * tin[s + j, k]
-
-
 @numba.njit(nogil=True, cache=True)
 def _forward_tiled(src, dst, mat, kinds):  # pragma: no cover - compiled
     n_outer, length, n_inner = src.shape
@@ -203,7 +192,7 @@ def _forward_tiled(src, dst, mat, kinds):  # pragma: no cover - compiled
             o, i = divmod(c0 + k, n_inner)
             for j in range(length):
                 tin[j, k] = src[o, j, i]
-        _forward_tile(tin, tout, mat, kinds)
+        _forward_columns(tin, tout, mat, kinds, TILE)
         for k in range(t):
             o, i = divmod(c0 + k, n_inner)
             for r in range(n_rows):
@@ -228,7 +217,7 @@ def _forward_tiled_colour(src, dst, mat, kinds, colour):  # pragma: no cover - c
             for i in range(3):
                 for j in range(length):
                     tin[j, 3 * o + i] = src[o0 + o, j, i]
-        _forward_tile(tin, tout, mat, kinds)
+        _forward_columns(tin, tout, mat, kinds, TILE)
         for o in range(n):
             for r in range(n_rows):
                 a, b, c = tout[r, 3 * o], tout[r, 3 * o + 1], tout[r, 3 * o + 2]
