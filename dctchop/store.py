@@ -91,6 +91,7 @@ DASK_TASK_BYTES = 64 << 20
 # checksum: the chunk file's crc32c trailer (the Crc32cCodec's, of its zstd frame), from store format 4 on
 META_FIELDS = {"psnr": "f8", "max_abs_error": "f8", "rmse": "f8", "stored_bytes": "i8", "step": "f8", "checksum": "u4"}
 FILE_FIELDS = ("stored_bytes", "checksum")  # what the per-chunk metadata says of the chunk file itself
+FILE_SYSTEM_BLOCK = 4096  # the usual allocation unit of local file systems: every file takes whole blocks
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -1334,8 +1335,25 @@ def _array_summary(plan: ArrayPlan, result: dict, root: Location) -> dict:
         "psnr_max": float(np.max(meta["psnr"])),
         "max_abs_error": float(np.max(meta["max_abs_error"])),
         "rmse": math.sqrt(mse),
-        **({"note": plan.note} if plan.note else {}),
+        **({"note": "; ".join(notes)} if (notes := [n for n in (plan.note, _small_files_note(plan, meta, stored)) if n])
+           else {}),
     }
+
+
+def _small_files_note(plan: ArrayPlan, meta: dict, stored: int) -> str | None:
+    """Each chunk is a file of its own and one more per metadata field, and a file system stores each in whole
+    blocks: chunks of a few samples (``--chunk-samples 1``: 7 files of 100 B or so per 32x32 image) take many
+    times their bytes on disk. Said when the blocks would hold more than twice the stored bytes."""
+    chunk_files = np.asarray(meta["stored_bytes"], dtype=np.int64)
+    blocks = np.sum(-(-chunk_files // FILE_SYSTEM_BLOCK)) + chunk_files.size * len(META_FIELDS)
+    on_disk = int(blocks) * FILE_SYSTEM_BLOCK
+    if chunk_files.size < 2 or on_disk <= 2 * stored:
+        return None
+    n_files = chunk_files.size * (1 + len(META_FIELDS))
+    return (f"{chunk_files.size:,} chunks of {plan.chunks[0]} sample{'s' if plan.chunks[0] > 1 else ''} are {n_files:,} files of {stored / n_files:,.0f} B "
+            f"on average (each chunk and its {len(META_FIELDS)} metadata fields): in {FILE_SYSTEM_BLOCK // 1024} KB "
+            f"file-system blocks about {on_disk / 1e6:.3g} MB on disk; a larger --chunk-samples makes fewer files "
+            f"(default: about {DEFAULT_CHUNK_BYTES >> 20} MB of input per chunk)")
 
 
 def _jsonable(value):
