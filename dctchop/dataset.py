@@ -304,7 +304,7 @@ def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
     if idx.ndim == 0 and idx.dtype.kind in "iu":  # np.int64(3) came above; np.array(3), torch.tensor(3)
         return _sample_index(int(idx), n)
     if idx.dtype == bool:
-        if idx.shape != (n,):
+        if idx.shape != (n,) and idx.size:  # an empty mask numpy reads as an empty integer index
             raise IndexError(f"boolean index of shape {idx.shape} does not match {n} samples")
         return np.flatnonzero(idx), True
     if idx.dtype.kind not in "iu" or idx.ndim != 1:
@@ -592,7 +592,7 @@ class Dataset:
     can be handed to worker processes.
     """
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None, main: str | None = None) -> None:
+    def __init__(self, path: str | bytes | os.PathLike, threads: int | None = None, main: str | None = None) -> None:
         root = Location(path).absolute()  # a relative path would name another store after os.chdir
         self.path = root.target if root.is_url else root.path
         self._threads = resolve_threads(threads)
@@ -703,7 +703,7 @@ class Dataset:
         return f"<dctchop.Dataset {str(self.path)!r} ({parts})>"
 
 
-def open(path: str | os.PathLike, threads: int | None = None,
+def open(path: str | bytes | os.PathLike, threads: int | None = None,
          main: str | None = None) -> Dataset:  # dctchop.open, like builtins.open for files
     """Open a dctchop store read-only as a lazily decoding :class:`Dataset`.
 

@@ -30,8 +30,8 @@ def absolute_path(path: str | os.PathLike) -> str:
     return os.fspath(Path(path).absolute())
 
 
-def is_url(target: str | os.PathLike) -> bool:
-    return "://" in os.fspath(target)
+def is_url(target: str | bytes | os.PathLike) -> bool:
+    return "://" in os.fsdecode(target)
 
 
 def store_holding(path: Path) -> Path | None:
@@ -118,8 +118,8 @@ class Location:
     Pickles as its target string, so Dask tasks carry it and make their own filesystem in the worker.
     """
 
-    def __init__(self, target: str | os.PathLike) -> None:
-        self.target = os.fspath(target)
+    def __init__(self, target: str | bytes | os.PathLike) -> None:
+        self.target = os.fsdecode(target)  # bytes too, as open() takes them
         self.is_url = is_url(self.target)
 
     def __reduce__(self):

@@ -289,12 +289,19 @@ def test_the_main_array_is_the_lossy_one_with_the_most_values_per_sample(tmp_pat
 
 def test_an_empty_fancy_index_gives_an_empty_result(image_store, decoded):
     ds = dctchop.open(image_store)
-    for key in ([], np.array([], dtype=np.int64), np.zeros(N_IMAGES, dtype=bool)):
+    for key in ([], np.array([], dtype=np.int64), np.zeros(N_IMAGES, dtype=bool), np.array([], dtype=bool)):
         got = ds[key]
         assert got.shape == decoded[key].shape == (0, 32, 32, 3) and got.dtype == np.uint8
         assert ds["labels"][key].shape == (0,) and ds["index"][key].dtype == ds["index"].dtype
     assert ds[[], 0].shape == decoded[[], 0].shape == (0, 32, 3)
     assert ds["images"][[]].shape == (0, 32, 32, 3)
+
+
+def test_a_path_may_be_bytes_as_for_builtins_open(image_store, decoded):
+    ds = dctchop.open(os.fsencode(image_store))
+    assert np.array_equal(ds[:5], decoded[:5])
+    x, _ = next(iter(dctchop.Loader(os.fsencode(image_store), batch_size=4, shuffle=False, layout="stored")))
+    assert np.array_equal(x, decoded[:4])
 
 
 def test_names_may_start_with_a_slash_as_in_hdf5(tmp_path):
