@@ -457,7 +457,8 @@ def _discard_temporary(tmp: Location, made_parents: list[Path]) -> None:
     from its own event-loop thread, which may finish a pending write just after an interrupt reached this
     thread, so look again a few times."""
     for _ in range(5):
-        tmp.remove()
+        with contextlib.suppress(OSError):  # a read-only file system refuses even to unlink what is not there
+            tmp.remove()
         time.sleep(0.05)
         if not tmp.exists():
             break
@@ -1179,8 +1180,8 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     remove_stale_temporaries(output)
     made_parents = _missing_parents(output)
     tmp = _temporary_sibling(output)
-    tmp.remove()
     try:
+        tmp.remove()
         summary = _write_store(tmp, source, plans, options, workers, progress)
         replaced = _put_in_place(tmp, output, overwrite)
     except OSError as e:

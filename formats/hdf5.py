@@ -362,11 +362,11 @@ class _Walk:
                 obj = grp[key]
             except _H5_ERRORS as exc:
                 what = (
-                    f"external link to {link.filename}:{link.path} cannot be followed"
+                    f"is an external link to {link.filename}:{link.path} that cannot be followed"
                     if isinstance(link, h5py.ExternalLink)
                     else "cannot be opened"
                 )
-                self.problems.append((path, f"is an {what} ({first_line(exc)})"))
+                self.problems.append((path, f"{what} ({first_line(exc)})"))
                 continue
             if obj.id in self._paths:
                 self._hard.setdefault(obj.id, []).append(path)

@@ -802,6 +802,17 @@ def test_external_link_target_missing(external):
         open_source(external, datasets=["ext"], follow_external=True)
 
 
+def test_an_object_whose_header_is_damaged_is_named_in_a_sentence(tmp_path):
+    with h5py.File(tmp_path / "x.h5", "w", libver="latest") as f:  # object headers then begin "OHDR"
+        f["a"], f["x"] = np.zeros((4, 8, 8), np.uint8), np.ones((4, 8, 8), np.uint8)
+    data = bytearray((tmp_path / "x.h5").read_bytes())
+    last = data.rfind(b"OHDR")  # x's, written last
+    data[last : last + 4] = b"XXXX"
+    (tmp_path / "x.h5").write_bytes(bytes(data))
+    with pytest.raises(DctchopError, match=r"x.h5: /x cannot be opened \(.*object header"):  # was "/x is an cannot"
+        open_source(tmp_path / "x.h5")
+
+
 def test_virtual_dataset(tmp_path):
     src_file = tmp_path / "part.h5"
     with h5py.File(src_file, "w") as f:

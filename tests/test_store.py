@@ -1,5 +1,6 @@
 """Library-level tests of the store writer: chunk files, metadata, streaming, atomic publish."""
 
+import errno
 import json
 import re
 import threading
@@ -579,3 +580,16 @@ def test_inspect_and_open_make_as_many_zarr_calls_for_six_arrays_as_for_one(tmp_
         assert all(a["damaged_chunks"] == [] and len(a["chunk_table"]["psnr"]) == 2 for a in report["arrays"].values())
         assert dataset[f"g{(n - 1) % 2}/img{n - 1}"].shape == (4, 16, 16)
     assert calls[6] == calls[1], calls
+
+
+def test_an_output_on_a_read_only_file_system_is_a_user_error(tmp_path, monkeypatch):
+    """There even unlinking a missing file fails (EROFS): the removal of a stale temporary store before the
+    write, and the clean-up after it, gave an internal error instead of the failed write's message."""
+    np.save(tmp_path / "x.npy", smooth_images(4))
+
+    def read_only(self, check=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Location, "remove", read_only)
+    with pytest.raises(DctchopError, match=r"compress failed: Read-only file system \(.*dctchop-tmp.*\); .* not written"):
+        compress(open_source(str(tmp_path / "x.npy")), tmp_path / "x.zarr", CompressOptions())
