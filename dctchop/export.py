@@ -144,13 +144,17 @@ def _copy_group(zgroup, hgroup) -> None:
 
 def _h5_attr(value):
     """JSON attributes back to HDF5: dicts become JSON strings, (nested) lists of strings variable-length
-    string arrays, other lists numpy arrays (a list mixing types, or ragged, becomes a JSON string)."""
+    string arrays, other lists numpy arrays (a list mixing types, or ragged, becomes a JSON string). Strings
+    holding a NUL become fixed-length bytes (UTF-8): HDF5's variable-length strings end at the first NUL."""
     if isinstance(value, dict):
         return json.dumps(value)
+    if isinstance(value, str) and "\0" in value:
+        return np.bytes_(value.encode())
     if isinstance(value, list):
         try:
             if value and _strings_only(value):
-                return np.array(value, dtype=h5py.string_dtype())
+                return np.char.encode(np.array(value, dtype=str)) if _holds_nul(value) else np.array(
+                    value, dtype=h5py.string_dtype())
             array = np.asarray(value)
         except ValueError:  # ragged
             return json.dumps(value)
@@ -162,14 +166,22 @@ def _strings_only(value: list) -> bool:
     return all(_strings_only(v) if isinstance(v, list) else isinstance(v, str) for v in value)
 
 
+def _holds_nul(value: list) -> bool:
+    return any(_holds_nul(v) if isinstance(v, list) else "\0" in v for v in value)
+
+
 def _restore_dtype(attrs, key: str, dtype: str) -> None:
     """Give an attribute back the dtype JSON lost: its width (int16 written as int64), or the dtype of an
     empty array (``[]`` reads back as float64) and, as a subarray dtype (``"(0,3)<i4"``), the shape of one
-    with more axes; ``"str"``: an array of strings."""
+    with more axes; ``"str"``: an array of strings; ``"|S3"``: fixed-length bytes."""
     if dtype == "str":
         attrs[key] = np.asarray(attrs[key]).astype(h5py.string_dtype())
         return
     dtype = np.dtype(dtype)
+    if dtype.kind == "S":  # written as text (as bytes where it holds a NUL): UTF-8 again
+        value = np.asarray(attrs[key])
+        attrs[key] = (value if value.dtype.kind == "S" else np.char.encode(value.astype(str))).astype(dtype)
+        return
     if dtype.subdtype is not None:
         attrs[key] = np.zeros(dtype.subdtype[1], dtype.subdtype[0])
     else:

@@ -108,8 +108,9 @@ class _Attributes(NamedTuple):
 
 def _attributes(obj) -> _Attributes:
     """``obj``'s attributes, each read from the file once. Besides the numeric dtypes JSON widens,
-    ``dtypes`` keeps the dtype of every empty array (``"str"`` for strings): JSON's ``[]`` has none; and of
-    a numeric one with more axes, its shape, as a numpy subarray dtype (``"(0,3)<i4"``)."""
+    ``dtypes`` keeps the dtype of every empty array (``"str"`` for strings): JSON's ``[]`` has none; of
+    a numeric one with more axes, its shape, as a numpy subarray dtype (``"(0,3)<i4"``); and of fixed-length
+    bytes (``"|S3"``), which JSON holds as text and would come back as variable-length strings."""
     items = list(_attr_items(obj))
     dropped: list[str] = []
     values = json_attrs(items, dropped)
@@ -119,6 +120,8 @@ def _attributes(obj) -> _Attributes:
             continue
         if value.dtype.kind in "OSU" and value.size == 0:
             dtypes[key] = "str"
+        elif value.dtype.kind == "S":  # fixed-length bytes, which JSON holds as text
+            dtypes[key] = value.dtype.str
         elif value.dtype.kind in "biuf" and (value.size == 0 or value.dtype not in (np.bool_, np.int64, np.float64)):
             shape = f"({','.join(map(str, value.shape))})" if value.size == 0 and value.ndim > 1 else ""
             dtypes[key] = shape + native_dtype(value.dtype).str

@@ -1172,13 +1172,35 @@ def test_decompress_restores_numeric_attribute_dtypes(tmp_path):
                              "grid": np.array([["a", "b"], ["c", "d"]], h5py.string_dtype())})
     ok(run("compress", src, store, "--quiet"))
     ok(run("decompress", store, out))
+    assert_same_attributes(src, out, ("/", "/t", "/g"))
+
+
+def assert_same_attributes(src, out, paths) -> None:
+    """The attributes of ``paths`` in HDF5 files ``src`` and ``out`` are equal, of the same types and dtypes."""
     with h5py.File(src, "r") as a, h5py.File(out, "r") as b:
-        for path in ("/", "/t", "/g"):
+        for path in paths:
             assert set(a[path].attrs) == set(b[path].attrs), path
             for key, want in a[path].attrs.items():
                 got = b[path].attrs[key]
-                assert np.array_equal(got, want) and np.asarray(got).dtype == np.asarray(want).dtype, (path, key)
-                assert np.shape(got) == np.shape(want), (path, key)
+                assert type(got) is type(want) and np.asarray(got).dtype == np.asarray(want).dtype, (path, key)
+                assert np.array_equal(got, want) and np.shape(got) == np.shape(want), (path, key)
+
+
+def test_decompress_restores_fixed_length_bytes_attributes_nul_included(tmp_path):
+    """JSON holds fixed-length bytes as text: they came back as variable-length strings, and one holding a NUL
+    (which those cannot hold) failed decompress with an internal error."""
+    src, store, out = tmp_path / "b.h5", tmp_path / "b.zarr", tmp_path / "out.h5"
+    with h5py.File(src, "w") as f:
+        f["x"] = np.zeros((4, 16, 16), np.uint8)
+        f["x"].attrs.update({"nul": np.bytes_(b"a\x00b"), "nuls": np.array([b"a\x00b", b"c"]),
+                             "fixed": np.bytes_(b"abc"), "pairs": np.array([[b"ab", b"cd"]]),
+                             "utf8": np.bytes_("é".encode()), "text": "vlen"})
+        f.attrs["lead"] = np.bytes_(b"\x00z")
+        f["labels"] = np.arange(4)
+        f["labels"].attrs["tail"] = np.array([b"x\x00"], "S3")
+    ok(run("compress", src, store, "--quiet"))
+    ok(run("decompress", store, out))
+    assert_same_attributes(src, out, ("/", "/x", "/labels"))
 
 
 def test_compress_names_the_attributes_it_cannot_keep(tmp_path):
