@@ -349,8 +349,9 @@ class _Walk:
                 self.problems.append((path, f"cannot be read ({first_line(exc)})"))
                 continue
             if isinstance(link, h5py.SoftLink):  # in-file alias: its target is taken at its own hard-link path
-                if not {".", ".."} & set(link.path.split("/")):  # HDF5 has no such names: the link names nothing
-                    self.soft_links.append((path, posixpath.normpath(posixpath.join(prefix, link.path))))
+                target = _soft_target(prefix, link.path)
+                if target is not None:
+                    self.soft_links.append((path, target))
                 else:
                     self.unnamed.append(f"{path} -> {link.path}")
                 continue
@@ -443,6 +444,16 @@ class _Walk:
         return f"available datasets: {shown}{more}"
 
 
+def _soft_target(group: str, written: str) -> str | None:
+    """The path a soft link ``written`` in ``group`` leads to as HDF5 resolves it: a "." component names the
+    group it is in (``./imgs``, ``/g/./imgs``: such links were dropped as naming nothing); None for a ".."
+    one, which HDF5 looks up as a name, and no group has."""
+    parts = posixpath.join(group, written).split("/")
+    if ".." in parts:
+        return None
+    return "/" + "/".join(p for p in parts if p not in ("", "."))
+
+
 def _lookup(f, path: str, follow_external: bool, file: str, walk: _Walk, depth: int = 0):
     """The object at ``path``, resolving soft links ourselves so external links are caught on the way."""
     h5py = _h5py()
@@ -461,8 +472,10 @@ def _lookup(f, path: str, follow_external: bool, file: str, walk: _Walk, depth: 
         if link is None:
             raise _NotFound(f"{file}: no dataset {path}; {walk.available()}")
         if isinstance(link, h5py.SoftLink):
-            target = posixpath.normpath(posixpath.join(obj.name, link.path))
+            target = _soft_target(obj.name, link.path)
             try:
+                if target is None:
+                    raise _NotFound(link.path)
                 nxt = _lookup(obj.file, target, follow_external, file, walk, depth + 1)
             except _NotFound:
                 raise _NotFound(

@@ -731,15 +731,17 @@ def test_hdf5_soft_and_hard_links(tmp_path):
         f["hard"] = f["data/x"]  # a second hard link to the same object
         f["dangling"] = h5py.SoftLink("/nowhere")
         f["data/up"] = h5py.SoftLink("../data/x")  # HDF5 has no "..": it names nothing either
+        f["data/here"], f["dot"] = h5py.SoftLink("./x"), h5py.SoftLink("/data/./x")  # "." is the group it is in
+    assert h5py.File(path)["data/here"].shape == h5py.File(path)["dot"].shape == (4, 3)
     src = open_source(path)
     assert names(src.lossy) == ["/data/x"]  # each object once, aliases not duplicated
     assert src.dropped_links == ("/dangling -> /nowhere", "/data/up -> ../data/x")  # said, not silently lost
     # the aliases of what is stored, resolved to the object's own path; the dangling link names nothing
-    assert src.links == (("/alias", "/data/x", "soft"), ("/data/rel", "/data/x", "soft"),
-                         ("/hard", "/data/x", "hard"))
+    assert src.links == (("/alias", "/data/x", "soft"), ("/data/here", "/data/x", "soft"),
+                         ("/data/rel", "/data/x", "soft"), ("/dot", "/data/x", "soft"), ("/hard", "/data/x", "hard"))
     # named through an alias, stored under its own path all the same: the file's structure comes back
     # (it was stored as /alias, and decompress made /alias a hard link)
-    for alias in ("alias", "data/rel", "hard", "/alias", "data/x"):
+    for alias in ("alias", "data/rel", "hard", "/alias", "data/x", "dot", "data/here"):
         named = open_source(path, datasets=[alias])
         assert names(named.lossy) == ["/data/x"] and named.links == src.links
         np.testing.assert_array_equal(named.lossy[0].read(1, 3), np.arange(3.0, 9.0).reshape(2, 3))
