@@ -46,8 +46,10 @@ def task_runner(scheduler: str, workers: int) -> Iterator[Callable[[Callable, li
         pool = _local_pool(scheduler, workers)
         try:
             yield functools.partial(_run_local, dask, pool, scheduler)
-        finally:
-            pool.shutdown(wait=True)
+        except BaseException:
+            _stop_pool(pool)
+            raise
+        pool.shutdown(wait=True)
     else:
         try:
             from distributed import Client
@@ -101,13 +103,24 @@ def _run_local(dask, pool: Executor, scheduler: str, fn: Callable, items: list[t
                 raise item
             yield item[0]
     except BaseException:  # an error, Ctrl-C, or the consumer closing this generator: stop the workers
-        pool.shutdown(wait=False, cancel_futures=True)
-        processes = getattr(pool, "_processes", None) or {}  # a ProcessPoolExecutor's, by pid
-        for process in list(processes.values()):
-            process.terminate()
+        _stop_pool(pool)
         raise
     finally:
         thread.join()
+
+
+def _stop_pool(pool: Executor) -> None:
+    """Cancel the tasks not started and terminate a process pool's workers, which ignore Ctrl-C: left to end
+    their tasks, the interpreter's exit waited forever on some of them (4 Ctrl-Cs in 24). The workers are
+    looked up before the shutdown, which forgets them (it sets ``_processes`` to None: terminating them after
+    it, as before, terminated none); the same dict also gets any worker started meanwhile."""
+    processes = getattr(pool, "_processes", None) or {}  # a ProcessPoolExecutor's, by pid
+    pool.shutdown(wait=False, cancel_futures=True)
+    workers = list(processes.values())
+    for process in workers:
+        process.terminate()
+    for process in workers:
+        process.join(timeout=5)
 
 
 def _ignore_interrupts() -> None:
