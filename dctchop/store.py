@@ -623,7 +623,8 @@ def check_array(root: Location, name: str, info: dict,
     metadata cannot be opened (missing or broken zarr.json, a codec version this dctchop cannot read) or names
     other codecs than the ones written, a chunk file is missing, not a file, fails its crc32c or has a header
     that is undecodable or not of the array's chunks, is not the file written there (its size or crc32c is
-    not the one recorded: rewritten, or another chunk's), or a per-chunk metadata element is missing. With it,
+    not the one recorded: rewritten, or another chunk's), a per-chunk metadata element is missing, or the
+    quality figures disagree with one another or the step with the chunk's header (:func:`_quality_problems`). With it,
     the array's per-chunk metadata (field -> values in chunk order, as :func:`chunk_metadata` reads them), read
     once on the way; None where its arrays or an element are missing or damaged.
 
@@ -666,14 +667,14 @@ def check_array(root: Location, name: str, info: dict,
     problems += [{"chunk": None, "problem": problem}
                  for path in (META_GROUP, f"{META_GROUP}/{name}") if (problem := node_kind(root, path)[1])]
     metadata_whole = not problems
-    on_disk = {}  # chunk -> (size, checksum) of its file, for the chunks that decode
+    on_disk = {}  # chunk -> (size, checksum, step in its header) of its file, for the chunks that decode
     n_chunks, most = -(-shape[0] // chunks[0]), most_coded_bytes(chunks)
     table = {k: np.zeros(n_chunks, META_FIELDS[k]) for k in fields}  # filled from the elements read below
     for i in range(n_chunks):
         try:
             raw = root.read(keys[name](i))
-            read_expected_header(unframe(raw, most), chunks, entry["dtype"])
-            on_disk[i] = len(raw), file_checksum(raw)
+            steps = read_expected_header(unframe(raw, most), chunks, entry["dtype"]).steps
+            on_disk[i] = len(raw), file_checksum(raw), float(np.min(steps)) if steps is not None else math.nan
         except FileNotFoundError:
             problems.append({"chunk": i, "problem": "missing (chunk file deleted)"})
         except OSError as e:
@@ -700,10 +701,48 @@ def check_array(root: Location, name: str, info: dict,
             return problems + [{"chunk": None, "problem": f"per-chunk metadata unreadable ({e.strerror or e})"}], None
         except ValueError as e:  # a file that does not decode
             return problems + [{"chunk": None, "problem": f"per-chunk metadata damaged ({first_line(e)})"}], None
-    problems += [{"chunk": i, "problem": problem} for i, file in on_disk.items()
-                 if (problem := file_not_as_written(*file, {k: table[k][i] for k in FILE_FIELDS if k in fields}))]
+    problems += [{"chunk": i, "problem": problem} for i, (size, checksum, _) in on_disk.items()
+                 if (problem := file_not_as_written(size, checksum, {k: table[k][i] for k in FILE_FIELDS if k in fields}))]
+    problems += _quality_problems(entry, table, {i: step for i, (*_, step) in on_disk.items()})
     problems.sort(key=lambda p: (p["chunk"] is not None, p["chunk"] or 0))
     return problems, table
+
+
+def _quality_problems(entry: dict, table: dict[str, np.ndarray], header_steps: dict[int, float]) -> list[dict]:
+    """Damage to what the store says of its quality, which no checksum covers (the per-chunk metadata elements
+    are bare numbers; the record is JSON): a chunk whose PSNR is not its RMSE's, whose RMSE exceeds its max
+    error, or whose step is not the one in its header (``header_steps``: chunk -> that step, for the chunks
+    whose file decodes), and a record whose PSNR is not the one of the chunks' RMSEs. Each was printed as fact;
+    changes of the max error alone only ``--verify`` sees."""
+    peak, problems = float(entry["peak"]), []
+    for i, (psnr, rmse, worst) in enumerate(zip(table["psnr"], table["rmse"], table["max_abs_error"])):
+        if not _same(psnr, _psnr_of_rmse(rmse, peak)) or not rmse <= worst * (1 + 1e-12):
+            problems.append({"chunk": i, "problem": f"per-chunk metadata damaged: PSNR {psnr:.6g} dB, RMSE {rmse:.6g} "
+                             f"and max abs error {worst:.6g} do not agree"})
+    for i, step in header_steps.items():
+        if "step" in table and not _same(table["step"][i], step):
+            problems.append({"chunk": i, "problem": f"per-chunk metadata damaged: step {table['step'][i]:.6g}, "
+                             f"the chunk's header {step:.6g}"})
+    rows = np.diff([s for s, _ in _chunk_ranges(entry["shape"][0], entry["chunks"][0])] + [entry["shape"][0]])
+    if rows.size and math.prod(entry["shape"]) and not problems:
+        largest = float(np.max(table["rmse"]))  # the squares scaled by it: RMSEs of 1e-160 square to nothing
+        scaled = table["rmse"] / largest if largest > 0 else table["rmse"]
+        whole = _psnr_of_rmse(largest * math.sqrt(float(np.sum(scaled**2 * rows)) / entry["shape"][0]), peak)
+        if not _same(float(entry["psnr"]), whole):
+            problems.append({"chunk": None, "problem": f"the store's record says PSNR {float(entry['psnr']):.6g} dB, "
+                             f"its per-chunk metadata {whole:.6g} dB"})
+    return problems
+
+
+def _psnr_of_rmse(rmse: float, peak: float) -> float:
+    """:func:`dctchop.quantize.psnr` from the RMSE, in logarithms: squared, an RMSE below 1e-154 loses its
+    digits to float64's subnormal numbers (the PSNR was measured from the mean square, before its root)."""
+    return qz.psnr(1.0, peak) - 20.0 * math.log10(rmse) if rmse > 0 else qz.psnr(0.0, peak)
+
+
+def _same(a: float, b: float) -> bool:
+    """Two float64 figures of one measure, equal but for the order of their sums (or both NaN, or both inf)."""
+    return a == b or math.isclose(a, b, rel_tol=1e-9) or (math.isnan(a) and math.isnan(b))
 
 
 def not_as_written(raw: bytes, recorded: dict) -> str | None:

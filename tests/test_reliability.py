@@ -804,6 +804,12 @@ STORE_DAMAGE = {
     # chunk 3 until stores recorded each file's crc32c (store format 4)
     "chunk file swapped for one of the recorded size": ("array data, chunk 3", "crc32c", "another chunk's file"),
     "metadata element checksum deleted": ("chunk 3", "per-chunk metadata missing or damaged: checksum"),
+    # numbers no checksum covers, each printed as fact until their agreement was checked
+    "metadata psnr edited": ("chunk 3", "PSNR 99 dB", "do not agree"),
+    "metadata rmse edited": ("chunk 3", "RMSE 0.001", "do not agree"),
+    "metadata max_abs_error edited": ("chunk 3", "max abs error 0.001 do not agree"),
+    "metadata step edited": ("chunk 3", "step 99, the chunk's header"),
+    "store record psnr edited": ("array data", "the store's record says PSNR 77.7 dB, its per-chunk metadata"),
 }
 
 
@@ -844,6 +850,14 @@ def test_damaged_store_structure(tmp_path, good_store, damage):
         (store / "dctchop_meta" / "data" / "stored_bytes" / "c.3.0.0").write_bytes(size.tobytes())
     elif damage == "metadata element checksum deleted":
         (store / "dctchop_meta" / "data" / "checksum" / "c.3.0.0").unlink()
+    elif damage.startswith("metadata") and damage.endswith(" edited"):
+        field = damage.split()[1]
+        value = 0.001 if field in ("rmse", "max_abs_error") else 99.0
+        (store / "dctchop_meta" / "data" / field / "c.3.0.0").write_bytes(np.array(value, "<f8").tobytes())
+    elif damage == "store record psnr edited":
+        record = json.loads((store / "zarr.json").read_text())
+        record["attributes"]["dctchop"]["arrays"]["data"]["psnr"] = 77.7
+        (store / "zarr.json").write_text(json.dumps(record))
     else:
         record = json.loads((store / "zarr.json").read_text())
         del record["attributes"]["dctchop"]["arrays"]["data"]["peak"]
