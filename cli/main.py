@@ -280,8 +280,10 @@ def decompress(store, output, overwrite):
     """Decode STORE into OUTPUT: .npy (a single array) or .h5 (all arrays, groups and attributes)."""
     from dctchop.export import decompress as decompress_store
 
-    names = decompress_store(store, output, overwrite=overwrite)
-    click.echo(f"wrote {', '.join(names)} -> {output}", err=True)
+    written = decompress_store(store, output, overwrite=overwrite)
+    click.echo(f"wrote {', '.join(written.arrays)} -> {output}", err=True)
+    if written.left_out:
+        click.echo(f"left out (.npy holds one array; write .h5 to keep them): {'; '.join(written.left_out)}", err=True)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

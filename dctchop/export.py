@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import h5py
 import numpy as np
@@ -29,8 +30,16 @@ def _copy_rows(src, write, chunk_rows: int, where: str) -> None:
         write(slice(s, e), read_rows(src, s, e, f"{where}, chunk {i}"))
 
 
-def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -> list[str]:
-    """Decode ``store`` into ``output`` (``.npy`` or ``.h5``/``.hdf5``); returns the array names written.
+class Written(NamedTuple):
+    """What :func:`decompress` wrote: the arrays, and what the output could not hold (``.npy``: one array,
+    without attributes, groups or links), as phrases for the user."""
+
+    arrays: list[str]
+    left_out: list[str]
+
+
+def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -> Written:
+    """Decode ``store`` into ``output`` (``.npy`` or ``.h5``/``.hdf5``).
 
     Written to a temporary sibling and renamed when complete, like :func:`dctchop.store.compress`.
     """
@@ -95,7 +104,15 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
         if reason is not None:
             raise DctchopError(f"decompress failed: {reason}; {output} was not written") from None
         raise
-    return names
+    return Written(names, _left_out_of_npy(group, info, names[0]) if suffix == ".npy" else [])
+
+
+def _left_out_of_npy(group, info: dict, name: str) -> list[str]:
+    """What a ``.npy`` of array ``name`` leaves out of the store: attributes, groups, links."""
+    attributes = [("the root's attributes", [k for k in group.attrs if k != "dctchop"]),
+                  (f"{name}'s attributes", list(group[name].attrs)),
+                  ("groups", info.get("groups", [])), ("links", [link["path"] for link in info.get("links", [])])]
+    return [f"{what} {', '.join(items)}" for what, items in attributes if items]
 
 
 # HDF5's own report of a failed write(2), as h5py passes it on: "... (file write failed: time = ..., filename

@@ -1042,6 +1042,22 @@ def test_decompress_removes_the_temporaries_of_killed_runs(psnr45, tmp_path, dea
     assert sorted(os.listdir(tmp_path)) == [live.name, "out.npy"]
 
 
+def test_decompress_to_npy_lists_what_it_leaves_out(tmp_path):
+    src = tmp_path / "a.h5"
+    with h5py.File(src, "w") as f:
+        f["g/x"] = np.zeros((4, 16, 16), np.uint8)
+        f["g/x"].attrs.update({"units": "K", "scale": 2.0})
+        f.attrs["title"] = "t"
+        f["alias"] = h5py.SoftLink("/g/x")
+    ok(run("compress", src, tmp_path / "a.zarr", "--quiet"))
+    p = ok(run("decompress", tmp_path / "a.zarr", tmp_path / "a.npy"))
+    assert p.stderr.splitlines()[1] == ("left out (.npy holds one array; write .h5 to keep them): the root's attributes "
+                                        "title; g/x's attributes scale, units; groups g; links /alias")
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.zeros((4, 16, 16), np.uint8))
+    ok(run("compress", tmp_path / "a.npy", tmp_path / "b.zarr", "--quiet"))  # nothing to leave out: no such line
+    assert len(ok(run("decompress", tmp_path / "b.zarr", tmp_path / "b.npy")).stderr.splitlines()) == 1
+
+
 def test_decompress_into_the_store_is_refused(psnr45, tmp_path):
     store = tmp_path / "s.zarr"
     shutil.copytree(psnr45.store, store)
