@@ -260,7 +260,7 @@ def _print_report(report: dict, show_chunks: bool) -> None:
         click.echo("\nlinks (names that read their target): " + ", ".join(
             f"{link['path']} -> {link['target']} ({link['kind']})" for link in report["links"]))
     for g in report["damaged_groups"]:
-        click.echo(f"\nDAMAGED group {g['group']}: {g['problem']}")
+        click.echo(f"\nDAMAGED {g['group']}: {g['problem']}")  # a group, or an array the record leaves out
     t = report["totals"]
     click.echo(f"\ntotal: {fmt_mb(t['original_bytes'])} -> {fmt_mb(t['stored_bytes'])} on disk, ratio {t['ratio']:.2f}")
     if "verify" in report:

@@ -43,8 +43,9 @@ def preview(store, out, source, indices, array):
     from dctchop.preview import preview as draw_preview
 
     result = draw_preview(store, out, source=source, indices=list(indices) or None, array=array)
-    for s in result["samples"]:
-        click.echo(f"{result['array']}[{s['index']}]: PSNR {fmt_db(s['psnr'])} dB, "
+    for s in result["samples"]:  # a field transformed along axis 0 is one picture of the whole array
+        label = f"{result['array']} (whole array)" if result["whole_array"] else f"{result['array']}[{s['index']}]"
+        click.echo(f"{label}: PSNR {fmt_db(s['psnr'])} dB, "
                    f"max abs error {s['max_abs_error']:.4g}")
     click.echo(f"wrote {result['out']} ({result['width']}x{result['height']} px)")
 

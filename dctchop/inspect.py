@@ -42,6 +42,8 @@ def open_store(path: str | Path) -> tuple[zarr.Group, dict]:
     except PermissionError as e:  # a store that is there but cannot be read is a store all the same
         raise DctchopError(f"store {path} cannot be read: permission denied ({e.filename or e})") from None
     except Exception as e:  # noqa: BLE001 - zarr raises several types for a non-store
+        if type(e).__name__ == "ContainsArrayError":  # zarr's, for an array at the root
+            raise DctchopError(f"{path} is a Zarr array, not a dctchop store (a group)") from None
         raise DctchopError(f"{path} is not a Zarr store ({type(e).__name__}: {e})") from None
     info = group.attrs.get("dctchop")
     if not isinstance(info, dict) or "arrays" not in info:

@@ -68,7 +68,7 @@ def check_output_file(out: str | os.PathLike, suffixes: tuple[str, ...]) -> Path
     refuse_special_file(out, out)
     if out.is_dir():
         raise DctchopError(f"output {out} is a directory; name a file ending in {names}")
-    if not out.parent.resolve().is_dir():
+    if not out.parent.is_dir():  # as the system resolves it: "sub/.." needs sub, which resolve() does not
         raise DctchopError(f"output directory {out.parent} does not exist")
     holder = store_holding(out)
     if holder is not None:

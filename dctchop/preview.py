@@ -467,7 +467,7 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
     width, height = draw(rows, view, np.dtype(entry["dtype"]), header, out)
     return {
         "out": str(out), "width": width, "height": height, "array": name, "layout": entry["layout"],
-        "kind": view.kind, "source": source_path,
+        "kind": view.kind, "source": source_path, "whole_array": view.sample_axis is None,
         "samples": [{"index": r.index, "psnr": r.psnr, "max_abs_error": r.max_abs_error} for r in rows],
     }
 

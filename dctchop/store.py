@@ -97,6 +97,9 @@ FILE_SYSTEM_BLOCK = 4096  # the usual allocation unit of local file systems: eve
 # ---------------------------------------------------------------------------------------------- options
 
 
+TARGET_KINDS = ("keep", "ratio", "psnr")
+
+
 @dataclass(frozen=True)
 class Target:
     """The quality target: ``keep`` (the paper's chop, k per axis), ``ratio`` or ``psnr``."""
@@ -108,12 +111,23 @@ class Target:
         check_target(self.kind, self.value)
         if self.kind in ("ratio", "psnr"):  # NumPy scalars too, which the record's JSON would not take
             object.__setattr__(self, "value", float(self.value))
+        else:
+            keep = tuple(int(k) for k in self.value) if isinstance(self.value, (tuple, list)) else int(self.value)
+            object.__setattr__(self, "value", keep)
 
 
 def check_target(kind: str, value, option: str | None = None) -> None:
     """Refuse a ``ratio`` or ``psnr`` target no data can meet; the message names ``option`` (default
     ``--ratio``/``--psnr``), so that other commands' options taking a target say their own name."""
+    if kind not in TARGET_KINDS:  # a store records it, and its readers refused the kind as damage
+        raise DctchopError(f"the target kind must be one of {', '.join(TARGET_KINDS)}, got {kind!r}")
     number = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if kind == "keep":
+        keeps = value if isinstance(value, (tuple, list)) else [value]
+        if not keeps or not all(isinstance(k, numbers.Integral) and not isinstance(k, (bool, np.bool_)) and k >= 1
+                                for k in keeps):  # 4.5 was kept as 4 and recorded as 4.5
+            raise DctchopError(f"{option or '--keep'} must be whole numbers of coefficients, at least 1, got {value!r}")
+        return
     shown = f"{value:g}" if number else repr(value)
     if kind == "ratio" and not (number and math.isfinite(value) and value >= 1):  # NaN too
         raise DctchopError(f"{option or '--ratio'} must be a finite number, at least 1, got {shown}")
@@ -184,8 +198,8 @@ def _chunks(shape, axes, block, dtype, chunk_samples) -> tuple[int, ...]:
     unit = block[0] if 0 in axes else 1
     if chunk_samples is None:
         chunk_samples = max(unit, (DEFAULT_CHUNK_BYTES // sample_bytes) // unit * unit)
-    elif chunk_samples < 1:
-        raise DctchopError(f"--chunk-samples must be at least 1, got {chunk_samples}")
+    elif not isinstance(chunk_samples, numbers.Integral) or isinstance(chunk_samples, bool) or chunk_samples < 1:
+        raise DctchopError(f"--chunk-samples must be a whole number, at least 1, got {chunk_samples!r}")
     elif 0 in axes and chunk_samples % unit:
         raise DctchopError(f"--chunk-samples must be a multiple of the block size {unit} along axis 0")
     return (max(1, min(chunk_samples, shape[0])), *shape[1:])
@@ -1198,6 +1212,9 @@ def compress(source: Source, output: str | os.PathLike, options: CompressOptions
     The store is written to a temporary sibling and renamed into place only when complete: an error or
     interruption leaves ``output`` as it was (absent, or the old store with ``overwrite``).
     """
+    if not isinstance(source, Source) or not isinstance(options, CompressOptions):  # a path, a dict: AttributeErrors
+        raise DctchopError("compress takes a dctchop.formats.open_source(path) and a CompressOptions, got "
+                           f"{type(source).__name__} and {type(options).__name__}")
     output = Location(output)
     _check_output(source.path, output, overwrite)
     if options.scheduler not in (None, "threads") and output.in_process:

@@ -1165,6 +1165,8 @@ def forward(x: np.ndarray, plan: TransformPlan, threads: int = 1) -> np.ndarray:
     """
     if x.shape != plan.shape:
         raise DctchopError(f"array shape {x.shape} does not match plan shape {plan.shape}")
+    if x.dtype.kind not in "iuf":
+        raise DctchopError(f"the transform takes integer or float data, not {x.dtype}")
     wdt = work_dtype(x.dtype)
     cur = np.ascontiguousarray(x if x.dtype != np.float16 else x.astype(np.float32))
     shape = list(cur.shape)
@@ -1685,8 +1687,11 @@ def gather(coefficients: np.ndarray, plan: TransformPlan) -> np.ndarray:
 
 def scatter(values: np.ndarray, plan: TransformPlan, dtype) -> np.ndarray:
     """Inverse of :func:`gather`: a coefficient image with zeros where nothing was stored."""
+    values = np.asarray(values, dtype=dtype)
+    if values.shape != (plan.n_values,):  # the kernels index by the plan: a shorter array was read past its end
+        raise DctchopError(f"stored values of shape {values.shape} do not match the plan's {plan.n_values} values")
     out = np.zeros(math.prod(plan.coefficient_shape), dtype=dtype)
-    place(np.asarray(values, dtype=dtype), plan, out)
+    place(values, plan, out)
     return out.reshape(plan.coefficient_shape)
 
 

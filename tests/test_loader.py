@@ -266,6 +266,9 @@ def test_open_refuses_what_is_not_a_store(tmp_path):
         dctchop.open(tmp_path / "plain.zarr")
     with pytest.raises(DctchopError, match="not a dctchop store"):
         dctchop.Loader(tmp_path / "plain.zarr", batch_size=4)
+    zarr.create_array(str(tmp_path / "array.zarr"), shape=(4,), dtype="i4")
+    with pytest.raises(DctchopError, match="array.zarr is a Zarr array, not a dctchop store"):  # "not a Zarr store"
+        dctchop.open(tmp_path / "array.zarr")
 
 
 def test_the_main_array_is_the_lossy_one_with_the_most_values_per_sample(tmp_path):

@@ -189,3 +189,16 @@ def test_library_file_url_output_is_the_input_is_refused(tmp_path, source_h5):
     with pytest.raises(DctchopError, match="must not be the input"):
         compress(open_source(str(source_h5)), f"file://{source_h5}", CompressOptions(), overwrite=True)
     assert snapshot(tmp_path) == before
+
+
+def test_an_output_in_a_parent_reached_through_a_missing_folder_is_refused(tmp_path, monkeypatch):
+    """The system resolves "sub/../x.npy" through sub, which Path.resolve() skips: the check passed and the
+    write failed as an internal error."""
+    from dctchop.errors import DctchopError
+    from dctchop.location import check_output_file
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DctchopError, match=r"output directory nosub/\.\. does not exist"):
+        check_output_file("nosub/../x.npy", (".npy",))
+    (tmp_path / "sub").mkdir()
+    assert check_output_file("sub/../x.npy", (".npy",)) == Path("sub/../x.npy")

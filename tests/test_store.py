@@ -593,3 +593,28 @@ def test_an_output_on_a_read_only_file_system_is_a_user_error(tmp_path, monkeypa
     monkeypatch.setattr(Location, "remove", read_only)
     with pytest.raises(DctchopError, match=r"compress failed: Read-only file system \(.*dctchop-tmp.*\); .* not written"):
         compress(open_source(str(tmp_path / "x.npy")), tmp_path / "x.zarr", CompressOptions())
+
+
+@pytest.mark.parametrize("kind, value, message", [
+    ("quality", 4, "the target kind must be one of keep, ratio, psnr, got 'quality'"),  # stored, then "damaged"
+    ("keep", 4.5, "--keep must be whole numbers of coefficients, at least 1, got 4.5"),  # was kept as 4
+    ("keep", "4", "--keep must be whole numbers"), ("keep", (4, 0), "at least 1"), ("keep", (), "whole numbers")])
+def test_targets_the_store_could_not_record_are_refused(kind, value, message):
+    with pytest.raises(DctchopError, match=re.escape(message)):
+        Target(kind, value)
+
+
+def test_a_keep_target_records_plain_ints():
+    assert Target("keep", np.int64(4)).value == 4 and type(Target("keep", np.int64(4)).value) is int
+    assert Target("keep", [4, np.int32(2)]).value == (4, 2)
+
+
+def test_compress_refuses_what_is_not_a_source_or_options(tmp_path):
+    np.save(tmp_path / "x.npy", smooth_images(4))
+    with pytest.raises(DctchopError, match="compress takes a dctchop.formats.open_source.* got str and"):
+        compress(str(tmp_path / "x.npy"), tmp_path / "a.zarr")
+    with pytest.raises(DctchopError, match="got Source and dict"):
+        compress(open_source(str(tmp_path / "x.npy")), tmp_path / "a.zarr", {"chunk_samples": 2})
+    with pytest.raises(DctchopError, match="--chunk-samples must be a whole number, at least 1, got 2.5"):
+        compress(open_source(str(tmp_path / "x.npy")), tmp_path / "a.zarr", CompressOptions(chunk_samples=2.5))
+    assert not (tmp_path / "a.zarr").exists()

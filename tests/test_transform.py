@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import zlib
 from fractions import Fraction
 
@@ -747,3 +748,16 @@ def test_block_limits_are_accepted():
         plan = make_plan((3, 70), (1,), b, b)
         x = np.random.default_rng(b).standard_normal((3, 70))
         np.testing.assert_allclose(decompress_array(compress_array(x, plan), plan, x.dtype), x, atol=1e-10)
+
+
+def test_stored_values_of_another_size_are_refused_not_read_past():
+    """The kernels index the values by the plan: 10 of a plan's 256 values decoded garbage from beyond them
+    (a segfault where the array ended a mapped page), and 2-D values a numba typing error."""
+    plan = make_plan((4, 16, 16), (1, 2), 8, 4)
+    values = compress_array(np.random.default_rng(0).random((4, 16, 16)).astype(np.float32), plan)
+    for bad in (values[:10], values[:0], values.reshape(2, -1), np.concatenate([values, values])):
+        with pytest.raises(DctchopError, match=f"stored values of shape {re.escape(str(bad.shape))} do not match the "
+                                               "plan's 256 values"):
+            decompress_array(bad, plan, np.float32)
+    with pytest.raises(DctchopError, match="integer or float data, not complex64"):
+        forward(np.zeros((4, 16, 16), np.complex64), plan)
