@@ -346,6 +346,8 @@ def _check_file(path) -> str:
     if isinstance(raw, bytes):
         raw = os.fsdecode(raw)
     file = absolute_path(raw)
+    if not os.path.exists(file) and "://" in raw:  # read as a relative path, it named cwd/file:/...
+        raise DctchopError(f"input {raw} is a URL; inputs are local .npy or HDF5 files")
     if not os.path.exists(file):
         raise DctchopError(f"{file}: no such file")
     if os.path.isdir(file):

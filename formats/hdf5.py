@@ -570,7 +570,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
                 groups[path] = attrs
         taken = {ds.id for _, ds in forced + chosen}
         samples = _Samples(walk.datasets)
-        lossy, kept = [], []
+        lossy, kept, refused = [], [], []
         for path, ds in walk.datasets:
             if ds.id in taken:
                 continue
@@ -579,9 +579,13 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
             if chosen and (reason or default_lossy):
                 left_out.append(path)
             elif reason:
-                raise DctchopError(f"{file}: dataset {path} {reason}; {_LEAVE_OUT}")
+                refused.append(f"dataset {path} {reason}")
             else:
                 (lossy if default_lossy else kept).append((path, ds))
+        if refused:  # all of them: naming the first alone, the user met the others one run at a time
+            more = f" (and {len(refused) - _MAX_LISTED} more)" if len(refused) > _MAX_LISTED else ""
+            leave = _LEAVE_OUT if len(refused) == 1 else _LEAVE_OUT.removesuffix("it out") + "them out"
+            raise DctchopError(f"{file}: {'; '.join(refused[:_MAX_LISTED])}{more}; {leave}")
         if chosen:
             lossy = chosen
         kept += forced

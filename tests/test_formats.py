@@ -1164,3 +1164,19 @@ def test_read_in_spawned_process(h5file):
         out = pool.apply(SourceArray.read, (x, 1, 4))
     np.testing.assert_array_equal(out, x.read(1, 4))
     assert out.dtype.isnative
+
+
+def test_every_dataset_that_cannot_be_copied_is_named_at_once(tmp_path):
+    with h5py.File(tmp_path / "v.h5", "w") as f:
+        f["images"], f["name"] = np.zeros((4, 16, 16), np.uint8), "text"
+        f.create_dataset("names", data=["a", "bb"], dtype=h5py.string_dtype())
+    with pytest.raises(DctchopError, match=r"dataset /name has dtype variable-length .*; dataset /names has dtype "
+                                           r"variable-length .*to leave them out$"):
+        open_source(tmp_path / "v.h5")
+    assert [a.name for a in open_source(tmp_path / "v.h5", datasets=["images"]).lossy] == ["/images"]
+
+
+def test_an_input_url_is_named_as_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # read as a relative path it was "<cwd>/file:/...: no such file"
+    with pytest.raises(DctchopError, match=r"^input file:///data/x.npy is a URL; inputs are local \.npy or HDF5 files$"):
+        open_source("file:///data/x.npy")
