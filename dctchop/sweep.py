@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from dctchop import quantize as qz
-from dctchop.codec import ChunkSettings, check_dtype, decode_chunk, encode_chunk
+from dctchop.codec import DTYPE_CODES, ChunkSettings, check_dtype, decode_chunk, encode_chunk
 from dctchop.errors import DctchopError
 from dctchop.formats import SourceArray, open_source
 from dctchop.formats.hdf5 import keep_spans
@@ -117,9 +117,11 @@ def settings_grid(dtype) -> list[Setting]:
 def pick_array(source) -> SourceArray:
     """The array to sweep: the one ``--dataset`` named (``open_source`` takes only it, through links as
     compress does; comparing names here refused a link's), else the first the file compresses."""
-    if not source.lossy:
-        raise DctchopError(f"{source.path}: nothing to sweep (no numeric array with 2 or more dimensions); "
-                           "name one with --dataset")
+    if not source.lossy:  # a per-sample table may be named; an int8 array named was refused after this hint
+        copied = ", ".join(f"{a.name} ({a.dtype})" for a in source.lossless[:8]) + (" ..." if len(source.lossless) > 8 else "")
+        raise DctchopError(f"{source.path}: nothing to sweep (no array compress would compress lossily"
+                           f"{'; it copies ' + copied if copied else ''}); name one of 2 or more dimensions and "
+                           f"dtype {', '.join(map(str, DTYPE_CODES))} with --dataset")
     return source.lossy[0]
 
 

@@ -400,6 +400,14 @@ def test_sweep_unreachable_target_and_usage(capsys):
     fails(cli(IMAGES, "--plot", "rd.svg"), 1, ".png")
 
 
+def test_sweep_of_a_file_with_nothing_to_compress_says_what_it_holds(tmp_path, capsys):
+    # it said "name one with --dataset", and naming the file's one array (int8) was then refused
+    with h5py.File(tmp_path / "i8.h5", "w") as f:
+        f["x"], f["t"] = np.zeros((4, 16, 16), np.int8), np.zeros((4, 3), np.float32)
+    fails(in_process(capsys, "sweep", tmp_path / "i8.h5"), 1, "nothing to sweep", "it copies /t (float32), /x (int8)",
+          "dtype uint8, uint16, int16, float16, float32, float64 with --dataset")
+
+
 def test_without_matplotlib_the_commands_name_the_extra(stores, tmp_path):
     """matplotlib hidden (``sys.modules['matplotlib'] = None``): preview and sweep --plot say which extra to
     install and exit 1; sweep without --plot still works."""
