@@ -734,10 +734,10 @@ def _quality_problems(entry: dict, table: dict[str, np.ndarray], header_steps: d
             problems.append({"chunk": i, "problem": f"per-chunk metadata damaged: PSNR {psnr:.6g} dB, RMSE {rmse:.6g} "
                              f"and max abs error {worst:.6g} do not agree"})
     for i, step in header_steps.items():
-        if "step" in table and not _same(table["step"][i], step):
+        if not _same(table["step"][i], step):
             problems.append({"chunk": i, "problem": f"per-chunk metadata damaged: step {table['step'][i]:.6g}, "
                              f"the chunk's header {step:.6g}"})
-    rows = np.diff([s for s, _ in _chunk_ranges(entry["shape"][0], entry["chunks"][0])] + [entry["shape"][0]])
+    rows = np.array([e - s for s, e in _chunk_ranges(entry["shape"][0], entry["chunks"][0])])  # each chunk's samples
     if rows.size and math.prod(entry["shape"]) and not problems:
         largest = float(np.max(table["rmse"]))  # the squares scaled by it: RMSEs of 1e-160 square to nothing
         scaled = table["rmse"] / largest if largest > 0 else table["rmse"]
