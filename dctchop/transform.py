@@ -1381,65 +1381,6 @@ def _inverse_colour8_bands(src, dst, colour, mat, lo, hi, is_int):  # pragma: no
                           zero)
 
 
-@numba.njit(inline="always")
-def _pairs(src, b0, t, mat, j, pair, zero):  # pragma: no cover - compiled
-    """Output rows ``j`` and ``7 - j`` of an 8-point pass with 8 kept rows (``mat``) over the second axis of
-    band-major ``src`` (``(rows, 8, blocks)``), for every row of the first axis and blocks ``b0 .. b0 + t``:
-    into ``pair[0]`` and ``pair[1]`` (``(2, rows, >= t)``), with the sums of :func:`_inverse_3d`. The eight input
-    rows are taken one by one: as the rows of a strided view they would not be known to be contiguous, and the
-    kernel would run 1.7x slower."""
-    m = _rows8(mat, 0, j)
-    for r in range(src.shape[0]):
-        x0, x1, x2, x3 = src[r, 0, b0 : b0 + t], src[r, 1, b0 : b0 + t], src[r, 2, b0 : b0 + t], src[r, 3, b0 : b0 + t]
-        x4, x5, x6, x7 = src[r, 4, b0 : b0 + t], src[r, 5, b0 : b0 + t], src[r, 6, b0 : b0 + t], src[r, 7, b0 : b0 + t]
-        first, last = pair[0, r], pair[1, r]
-        for k in range(t):
-            e, od = _even_odd(m, x0[k], x1[k], x2[k], x3[k], x4[k], x5[k], x6[k], x7[k], zero)
-            last[k] = e - od
-            first[k] = e + od
-
-
-@numba.njit(inline="always")
-def _two_passes_tile(src, b0, t, mat_w, mat_h, pair, dst, col, col_step, d0, lo, hi, is_int,
-                     zero):  # pragma: no cover - compiled
-    """The pass over the second axis of band-major ``src`` (``(8, 8, blocks)``), then over the first, for blocks
-    ``b0 .. b0 + t``, a pair of output rows of the first pass at a time (in ``pair``: ``(2, 8, >= t)``): output
-    row ``j`` of the first pass goes to column ``col + col_step * j`` of ``dst`` (:func:`_rows8_tile`), from
-    ``d0`` on."""
-    for j in range(4):
-        _pairs(src, b0, t, mat_w, j, pair, zero)
-        _rows8_tile(pair[0], dst, col + col_step * j, d0, t, mat_h, lo, hi, is_int, zero)
-        _rows8_tile(pair[1], dst, col + col_step * (7 - j), d0, t, mat_h, lo, hi, is_int, zero)
-
-
-# Blocks of 8x8x8 keeping every band decode band-major with all their passes in one kernel, on tiles of blocks:
-# a pass's output for a tile stays in cache for the next, where the passes one by one wrote and read the slab
-# (1 MB) through memory (one pass alone: 0.33 ns per value on a 1 MB slab, 0.19 on 192 KB). The first pass's
-# output rows come in pairs (j, 7 - j) from one set of sums; each pair goes through the other passes before the
-# next. The sums are those of the passes run one by one, so the results agree bit for bit. (8x8 grey and RGB
-# blocks have faster kernels of their own in dctchop.inverse8; there a volume's 512 values a block spill too
-# much: 1.1-1.4x slower than this kernel.)
-@numba.njit(nogil=True, cache=True)
-def _inverse_rows8_cubed_bands(src, dst, mat_x, mat_y, mat_z, lo, hi, is_int):  # pragma: no cover - compiled
-    """Band-major ``(8, 8, 8, blocks)`` blocks of 8x8x8 (Z, Y, X bands): the passes over X, Y and Z, on tiles of
-    4 * TILE blocks: each pair of output rows over X goes through the passes over Y and Z
-    (:func:`_two_passes_tile`) before the next. With :func:`_bands_to_rows` for the output, 32³ float32 fields
-    decode 1.2-1.35x faster than through the coefficient image (1.7-2.0 against 2.3 ns per value after zstd:
-    1.0 for this kernel, 0.5 for the bit planes, 0.4 for the output)."""
-    n_blocks = src.shape[3]
-    by_x, out = src.reshape(64, 8, n_blocks), dst.reshape(8, 64, n_blocks)
-    zero = np.zeros(1, dtype=mat_z.dtype)[0]
-    pair_x = np.empty((2, 64, 4 * TILE), dtype=mat_z.dtype)
-    pair_y = np.empty((2, 8, 4 * TILE), dtype=mat_z.dtype)
-    for b0 in range(0, n_blocks, 4 * TILE):
-        t = min(4 * TILE, n_blocks - b0)
-        for j in range(4):
-            _pairs(by_x, b0, t, mat_x, j, pair_x, zero)  # over X, for each Z and Y band
-            for s, x in ((0, j), (1, 7 - j)):
-                _two_passes_tile(pair_x[s].reshape(8, 8, 4 * TILE), 0, t, mat_y, mat_z, pair_y, out, x, 8, b0, lo, hi,
-                                 is_int, zero)
-
-
 @intrinsic
 def _transpose_rows8(typingctx, src, src_at, src_i, src_add, dst, dst_at, dst_i, dst_add):  # pragma: no cover
     """``dst[dst_at[dst_i + k] + dst_add + x] = src[src_at[src_i + x] + src_add + k]`` for ``x, k < 8``: eight rows
@@ -1516,7 +1457,8 @@ class BandMajor:
     their runs follow one another) ``(first, n, passes, rows, rest)``: its first position in the layout the
     passes work on, its size there, its passes as ``(kernel, view, arguments, last)``, and how its result goes
     out (:func:`_group_output`): by 8x8 transposes where its blocks' values are whole rows of 8 in the output,
-    eight blocks at a time, else value by value. ``to``: where each stored run goes in that layout (the
+    eight blocks at a time, else value by value; neither (both None) where the group's one kernel writes the
+    output itself (:func:`_group`). ``to``: where each stored run goes in that layout (the
     groups of :mod:`dctchop.inverse8` have padded rows). ``zeroed``: a triangle mask, whose runs go to their
     places in the layout of the square mask; its other bands must be zeros (the coefficient image's zeros),
     and the slab then decodes as a square one."""
@@ -1564,7 +1506,13 @@ def _axis_block(p: AxisPlan, width: int) -> tuple[np.ndarray, np.ndarray]:
 
 @lru_cache(maxsize=16)
 def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: bool) -> BandMajor | None:
-    from dctchop.inverse8 import GREY_KERNELS, LANES, inverse_rgb8, padded_stride  # it imports this module
+    from dctchop.inverse8 import (  # it imports this module
+        GREY_KERNELS,
+        LANES,
+        inverse_cube8,
+        inverse_rgb8,
+        padded_stride,
+    )
 
     plan = _plan(shape, axes, block, keep, mask)
     dtype = np.dtype(dtype_str)
@@ -1612,12 +1560,11 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
                            last))
         stride = n_blocks
         rgb8 = widths == (8, 8, 3) and [p[0] for p in passes] == [_inverse_3d, _inverse_colour8_bands]
-        if rgb8 or (widths in GREY_KERNELS and colour_axis is None):  # in one kernel of dctchop.inverse8
+        kernel = (inverse_rgb8 if rgb8 else None if colour_axis is not None
+                  else inverse_cube8 if widths == (8, 8, 8) else GREY_KERNELS.get(widths))
+        if kernel is not None:  # all its passes in one kernel of dctchop.inverse8
             stride, at = padded_stride(n_blocks), -(-at // LANES) * LANES
-            passes = [(inverse_rgb8 if rgb8 else GREY_KERNELS[widths], (r1 - r0, stride), (n_blocks,), True)]
-        elif widths == (8, 8, 8) and colour_axis is None:  # X, Y, then Z
-            (_, _, (mat_x, *_), _), (_, _, (mat_y, *_), _), (_, _, (mat_z, _, *last_args), _) = passes
-            passes = [(_inverse_rows8_cubed_bands, (8, 8, 8, n_blocks), (mat_x, mat_y, mat_z, *last_args), True)]
+            passes = [(kernel, (r1 - r0, stride), (n_blocks,), True)]
         to[r0:r1] = at + stride * np.arange(r1 - r0)
         groups.append((at, (r1 - r0) * stride, tuple(passes), stride))
         at += (r1 - r0) * stride
@@ -1625,9 +1572,25 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
     to_output = np.arange(math.prod(shape))
     if channels_first:
         to_output = np.moveaxis(to_output.reshape(channels_first_shape(shape)), 1, -1).reshape(-1)
-    return BandMajor(tuple((first, n, passes, *_group_output(to_output[index[seg_starts[r0] : seg_starts[r1]]],
-                                                             r1 - r0, first, stride))
+    return BandMajor(tuple(_group(first, n, passes, stride, to_output[index[seg_starts[r0] : seg_starts[r1]]], r1 - r0)
                            for (first, n, passes, stride), (r0, r1) in zip(groups, itertools.pairwise(bounds))), to)
+
+
+def _group(first: int, n: int, passes: tuple, stride: int, positions: np.ndarray, n_bands: int) -> tuple:
+    """A block group of :attr:`BandMajor.groups` (``positions``: each of its values' place in the output, a run
+    per band): blocks of 8x8x8 whose samples are rows of 8 in the output, in the order of their bands, decode
+    straight into the output (:func:`dctchop.inverse8.inverse_cube8_rows`); the others go out after their
+    passes (:func:`_group_output`)."""
+    from dctchop.inverse8 import inverse_cube8, inverse_cube8_rows
+
+    (kernel, view, args, _), *_ = passes
+    by_band = positions.reshape(n_bands, -1)
+    origins, offsets = by_band[0] - by_band[0, 0], by_band[::8, 0]  # each block's shift; each row's place in block 0
+    if (kernel is inverse_cube8 and np.array_equal(by_band, by_band[:, :1] + origins)
+            and np.array_equal(by_band[:, 0].reshape(-1, 8), offsets[:, None] + np.arange(8))):
+        rows = origins.astype(np.int64), offsets.astype(np.int64)
+        return first, n, ((inverse_cube8_rows, view, (*args, *rows), True),), None, None
+    return first, n, passes, *_group_output(positions, n_bands, first, stride)
 
 
 def _group_output(positions: np.ndarray, n_bands: int, first: int, stride: int) -> tuple[tuple | None, tuple | None]:
@@ -1667,6 +1630,10 @@ def inverse_band_major(values: np.ndarray, scratch: np.ndarray, result: np.ndarr
     out = out.reshape(-1)
     for first, n, passes, rows, rest in bm.groups:
         cur, other = values[first : first + n], scratch[first : first + n]
+        if rows is None and rest is None:  # its one kernel writes the output
+            (kernel, view, args, _), = passes
+            kernel(cur.reshape(view), out, *args)
+            continue
         for kernel, view, args, last in passes:
             dst = result[first : first + n] if last else other
             kernel(cur.reshape(view), dst.reshape(view), *args)

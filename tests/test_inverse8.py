@@ -7,7 +7,17 @@ import pytest
 import scipy.fft
 
 from dctchop import transform
-from dctchop.inverse8 import COLOUR3, DCT4, DCT8, GREY_KERNELS, LANES, inverse_rgb8, padded_stride
+from dctchop.inverse8 import (
+    COLOUR3,
+    DCT4,
+    DCT8,
+    GREY_KERNELS,
+    LANES,
+    inverse_cube8,
+    inverse_cube8_rows,
+    inverse_rgb8,
+    padded_stride,
+)
 
 F32 = np.float32
 BLOCK_COUNTS = [1, LANES - 1, LANES, 2 * LANES + 5, 1040]  # a short tail only, whole steps, both; 1040: 4 KB rows
@@ -107,3 +117,62 @@ def test_bit_for_bit_the_numba_passes(kernel, reference, n_bands, n_blocks, dtyp
     if dtype == np.uint8 and n_blocks >= LANES:
         assert 0 < np.mean(expected == 0) < 0.5 and 0 < np.mean(expected == 255) < 0.5  # both clips are used
     np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))  # float32: -0.0 is not 0.0 here
+
+
+def _numba_cube(src: np.ndarray, n_blocks: int, dtype) -> np.ndarray:
+    """The numba passes over blocks of 8x8x8: X, then Y, then Z."""
+    x = np.ascontiguousarray(src[:, :n_blocks]).reshape(8, 8, 8, n_blocks)
+    zero, rows = F32(0), np.array([[0, 8, 0, 8, 1, 0]])
+    by_x, by_y = np.empty_like(x), np.empty_like(x)
+    transform._inverse_3d(x.reshape(64, 8, -1), by_x.reshape(64, 8, -1), DCT8, rows, zero, zero, False)
+    transform._inverse_3d(by_x.reshape(8, 8, -1), by_y.reshape(8, 8, -1), DCT8, rows, zero, zero, False)
+    out = np.empty((8, 8, 8, n_blocks), dtype)
+    hi = F32(255 if dtype == np.uint8 else 0)
+    transform._inverse_3d(by_y.reshape(1, 8, -1), out.reshape(1, 8, -1), DCT8, rows, zero, hi, dtype == np.uint8)
+    return out.reshape(512, n_blocks)
+
+
+def _cube_band_major(n_blocks: int, seed: int) -> np.ndarray:
+    """:func:`_band_major` for blocks of 8x8x8, with the wider spread that reaches both clips of uint8 there."""
+    src = _band_major(512, n_blocks, seed)
+    src[1:] *= 3
+    return src
+
+
+@pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
+def test_cube8_is_the_inverse_dct(n_blocks):
+    src = _cube_band_major(n_blocks, n_blocks)
+    out = _run(inverse_cube8, src, n_blocks, F32)
+    blocks = src[:, :n_blocks].astype(np.float64).reshape(8, 8, 8, n_blocks)
+    expected = scipy.fft.idctn(blocks, axes=(0, 1, 2), norm="ortho").reshape(512, n_blocks)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+@pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
+def test_cube8_bit_for_bit_the_numba_passes(n_blocks, dtype):
+    src = _cube_band_major(n_blocks, 5 * n_blocks)
+    out, expected = _run(inverse_cube8, src, n_blocks, dtype), _numba_cube(src, n_blocks, dtype)
+    if dtype == np.uint8 and n_blocks >= LANES:
+        assert 0 < np.mean(expected == 0) < 0.5 and 0 < np.mean(expected == 255) < 0.5  # both clips are used
+    np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+@pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
+def test_cube8_rows_writes_each_blocks_rows_where_told_and_nothing_else(n_blocks, dtype):
+    """Blocks of 8x8x8 in samples of (16, 16, 24), 2 apart: a block's row (z, y) at its origin + z * 384 +
+    y * 24, blocks in a shuffled order (the origins need not grow), nothing written between them."""
+    src = _cube_band_major(n_blocks, 3 * n_blocks)
+    rng = np.random.default_rng(n_blocks)
+    n_samples, size = -(-n_blocks // 12), 16 * 384 + 2
+    bz, by, bx = np.unravel_index(np.arange(12), (2, 2, 3))
+    grid = np.arange(n_samples)[:, None] * size + (bz * 8 * 384 + by * 8 * 24 + bx * 8)
+    origins = rng.permutation(grid.reshape(-1))[:n_blocks].astype(np.int64)
+    offsets = (np.arange(8)[:, None] * 384 + np.arange(8) * 24).reshape(-1).astype(np.int64)
+    image = np.zeros(n_samples * size, dtype)
+    inverse_cube8_rows(src, image, n_blocks, origins, offsets)
+    expected = np.zeros_like(image)
+    positions = origins + (offsets[:, None] + np.arange(8)).reshape(-1, 1)  # (band, block)
+    expected[positions] = _numba_cube(src, n_blocks, dtype)
+    np.testing.assert_array_equal(image.view(np.uint8), expected.view(np.uint8))
