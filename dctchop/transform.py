@@ -1333,7 +1333,8 @@ def channels_first_shape(shape) -> tuple[int, ...]:
 # time: eight rows of eight values loaded, transposed and stored as vectors (:func:`_transpose_rows8`; 32x32 RGB
 # when the byte transpose still used shifts and masks: 0.77 against 1.28 ns per value for the placement and the
 # inverse); else value by value (:func:`_move`: into a loader's chunk buffers, which the cache has dropped, one 4-byte
-# store per float32 cost more than the placement saved).
+# store per float32 cost more than the placement saved). Blocks of 8x8x8 whose rows over X are rows of the output
+# skip the result: their kernel stores each row there itself (:func:`dctchop.inverse8.inverse_cube8_rows`).
 
 
 @numba.njit(inline="always")
@@ -1386,8 +1387,9 @@ def _transpose_rows8(typingctx, src, src_at, src_i, src_add, dst, dst_at, dst_i,
     """``dst[dst_at[dst_i + k] + dst_add + x] = src[src_at[src_i + x] + src_add + k]`` for ``x, k < 8``: eight rows
     of eight values (float32 or uint8; the two arrays' dtype) loaded as vectors at any alignment, transposed with
     one LLVM shuffle of the 64 values (for bytes a vpermb with AVX-512) and stored as eight vectors: whole rows
-    of output where :func:`_move` stores one value at a time. 32³ float32 fields through the loader on 1 thread:
-    0.87-0.93 GB/s that way, against 1.0-1.05 through the coefficient image and 1.05-1.21 this way; for bytes,
+    of output where :func:`_move` stores one value at a time. 32³ float32 fields through the loader on 1 thread
+    (before their kernel wrote the output itself): 0.87-0.93 GB/s that way, against 1.0-1.05 through the
+    coefficient image and 1.05-1.21 this way; for bytes,
     the shuffle was 2.5x faster than swapping bytes, 16-bit and 32-bit units between words with shifts and
     masks (0.087 against 0.22 ns per byte)."""
     if src.dtype != dst.dtype or src.dtype not in (types.float32, types.uint8):
