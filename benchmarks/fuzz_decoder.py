@@ -35,6 +35,10 @@ SEED_SETTINGS = [  # (shape, dtype, where the values lie, settings)
     ((8, 16, 16, 3), "uint8", 60.0,
      ChunkSettings((1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "int16", target_psnr=40.0)),
     ((3, 20, 28), "uint8", 60.0, ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int8", step=2.0)),
+    # volumes keeping every band: the 8x8x8 kernel writing the output itself, an edge block of 4 over X
+    ((3, 16, 16, 20), "float32", 60.0, ChunkSettings((1, 2, 3), (8, 8, 8), (8, 8, 8), "square", "int16",
+                                                     target_psnr=60.0)),
+    ((2, 8, 16, 16), "uint8", 60.0, ChunkSettings((1, 2, 3), (8, 8, 8), (8, 8, 8), "triangle", "int8", step=3.0)),
     # float data far from zero: stored relative to an offset (header flag bit 2)
     ((2, 16, 16), "float32", 1000.0, ChunkSettings((1, 2), (8, 8), (8, 8), "square", "int16", target_psnr=60.0)),
 ]
