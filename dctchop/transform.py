@@ -1580,18 +1580,18 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
 
 def _group(first: int, n: int, passes: tuple, stride: int, positions: np.ndarray, n_bands: int) -> tuple:
     """A block group of :attr:`BandMajor.groups` (``positions``: each of its values' place in the output, a run
-    per band): blocks of 8x8x8 whose samples are rows of 8 in the output, in the order of their bands, decode
-    straight into the output (:func:`dctchop.inverse8.inverse_cube8_rows`); the others go out after their
+    per band): blocks of 8x8x8 or 8x8 whose samples are rows of 8 in the output, in the order of their bands,
+    decode straight into the output (:data:`dctchop.inverse8.INTO_OUTPUT`); the others go out after their
     passes (:func:`_group_output`)."""
-    from dctchop.inverse8 import inverse_cube8, inverse_cube8_rows
+    from dctchop.inverse8 import INTO_OUTPUT
 
     (kernel, view, args, _), *_ = passes
     by_band = positions.reshape(n_bands, -1)
     origins, offsets = by_band[0] - by_band[0, 0], by_band[::8, 0]  # each block's shift; each row's place in block 0
-    if (kernel is inverse_cube8 and np.array_equal(by_band, by_band[:, :1] + origins)
+    if (kernel in INTO_OUTPUT and np.array_equal(by_band, by_band[:, :1] + origins)
             and np.array_equal(by_band[:, 0].reshape(-1, 8), offsets[:, None] + np.arange(8))):
         rows = origins.astype(np.int64), offsets.astype(np.int64)
-        return first, n, ((inverse_cube8_rows, view, (*args, *rows), True),), None, None
+        return first, n, ((INTO_OUTPUT[kernel], view, (*args, *rows), True),), None, None
     return first, n, passes, *_group_output(positions, n_bands, first, stride)
 
 

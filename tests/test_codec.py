@@ -291,15 +291,18 @@ def test_blocks_of_8_run_all_their_passes_in_one_kernel(shape, axes, block, one_
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32])
-def test_volumes_in_c_order_decode_straight_into_the_output(dtype):
-    """Blocks of 8x8x8 whose rows over X are rows of the output skip the band-major result and its transposes
-    (the faster path; the bit-for-bit test above holds either way)."""
-    from dctchop.inverse8 import inverse_cube8_rows
+@pytest.mark.parametrize("shape, axes, block, kernel", [
+    ((24, 8, 16, 16), (1, 2, 3), (8, 8, 8), "inverse_cube8_rows"),  # volumes
+    ((40, 16, 32), (1, 2), (8, 8), "inverse_grey8_rows"),  # grey images, 2-D fields
+])
+def test_blocks_in_c_order_decode_straight_into_the_output(shape, axes, block, kernel, dtype):
+    """Blocks of 8x8x8 and 8x8 whose rows over the last axis are rows of the output skip the band-major result and
+    its transposes (the faster path; the bit-for-bit test above holds either way)."""
+    from dctchop import inverse8
     from dctchop.transform import band_major
 
-    ((_, _, passes, rows, rest),) = band_major(make_plan((24, 8, 16, 16), (1, 2, 3), (8, 8, 8), (8, 8, 8), "square"),
-                                               dtype).groups
-    assert [p[0] for p in passes] == [inverse_cube8_rows] and rows is None and rest is None
+    ((_, _, passes, rows, rest),) = band_major(make_plan(shape, axes, block, block, "square"), dtype).groups
+    assert [p[0] for p in passes] == [getattr(inverse8, kernel)] and rows is None and rest is None
 
 
 @pytest.mark.parametrize("shape, axes, block, keep, mask, dtype", [

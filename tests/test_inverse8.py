@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import scipy.fft
@@ -15,6 +17,7 @@ from dctchop.inverse8 import (
     LANES,
     inverse_cube8,
     inverse_cube8_rows,
+    inverse_grey8_rows,
     inverse_rgb8,
     padded_stride,
 )
@@ -160,19 +163,24 @@ def test_cube8_bit_for_bit_the_numba_passes(n_blocks, dtype):
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32])
 @pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
-def test_cube8_rows_writes_each_blocks_rows_where_told_and_nothing_else(n_blocks, dtype):
-    """Blocks of 8x8x8 in samples of (16, 16, 24), 2 apart: a block's row (z, y) at its origin + z * 384 +
-    y * 24, blocks in a shuffled order (the origins need not grow), nothing written between them."""
-    src = _cube_band_major(n_blocks, 3 * n_blocks)
-    rng = np.random.default_rng(n_blocks)
-    n_samples, size = -(-n_blocks // 12), 16 * 384 + 2
-    bz, by, bx = np.unravel_index(np.arange(12), (2, 2, 3))
-    grid = np.arange(n_samples)[:, None] * size + (bz * 8 * 384 + by * 8 * 24 + bx * 8)
-    origins = rng.permutation(grid.reshape(-1))[:n_blocks].astype(np.int64)
-    offsets = (np.arange(8)[:, None] * 384 + np.arange(8) * 24).reshape(-1).astype(np.int64)
+@pytest.mark.parametrize("kernel, reference, block", [(inverse_cube8_rows, _numba_cube, (8, 8, 8)),
+                                                      (inverse_grey8_rows, _numba_grey((8, 8)), (8, 8))],
+                         ids=["cube8", "grey8"])
+def test_into_output_writes_each_blocks_rows_where_told_and_nothing_else(kernel, reference, block, n_blocks, dtype):
+    """Blocks in samples two blocks long on each axis but the last, three on the last, 2 values apart: row ``r``
+    of a block (its values ``8 r .. 8 r + 7`` in band order) at its origin + ``offsets[r]``, the blocks in a
+    shuffled order (the origins need not grow), nothing written between them."""
+    n_bands = math.prod(block)
+    src = _cube_band_major(n_blocks, 3 * n_blocks) if n_bands == 512 else _band_major(64, n_blocks, 3 * n_blocks)
+    sample = (*(2 * b for b in block[:-1]), 3 * block[-1])
+    grid = np.unravel_index(np.arange(math.prod(sample) // n_bands), [s // b for s, b in zip(sample, block)])
+    block_origins = np.ravel_multi_index([g * b for g, b in zip(grid, block)], sample)
+    n_samples, size = -(-n_blocks // block_origins.size), math.prod(sample) + 2
+    everywhere = (np.arange(n_samples)[:, None] * size + block_origins).reshape(-1)
+    origins = np.random.default_rng(n_blocks).permutation(everywhere)[:n_blocks].astype(np.int64)
+    places = np.ravel_multi_index(np.unravel_index(np.arange(n_bands), block), sample)  # of a block at 0, by band
     image = np.zeros(n_samples * size, dtype)
-    inverse_cube8_rows(src, image, n_blocks, origins, offsets)
+    kernel(src, image, n_blocks, origins, places[::8].astype(np.int64))
     expected = np.zeros_like(image)
-    positions = origins + (offsets[:, None] + np.arange(8)).reshape(-1, 1)  # (band, block)
-    expected[positions] = _numba_cube(src, n_blocks, dtype)
+    expected[origins + places[:, None]] = reference(src, n_blocks, dtype)
     np.testing.assert_array_equal(image.view(np.uint8), expected.view(np.uint8))
