@@ -238,12 +238,17 @@ def _cube_step(builder, src, src_stride, stage, rows, put_rows) -> None:
         put_rows(y.index)
 
 
-def _grey_step(builder, src, src_stride, stage, rows, put_rows) -> None:
-    """Emit one step of 8x8 blocks: all their values into ``rows`` (vectors ``(h, w)``), then ``put_rows(0)``."""
-    f32, i64 = ir.FloatType(), ir.IntType(64)
-    step = _step_function(builder.module, "dctchop_inverse8_grey8_rows", (8, 8), ((1, DCT8), (0, DCT8)), f32)
-    builder.call(step, [src, src_stride, rows, i64(LANES)])
-    put_rows(i64(0))
+def _program_step(name: str, dims, passes):
+    """``emit_step`` for :func:`_into_output_kernel` of blocks whose whole program (:func:`_block_program`) runs
+    in one go: all a step's values into ``rows`` (vectors in band order), then ``put_rows(0)``."""
+
+    def emit_step(builder, src, src_stride, stage, rows, put_rows) -> None:
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        step = _step_function(builder.module, f"dctchop_inverse8_{name}_rows", dims, passes, f32)
+        builder.call(step, [src, src_stride, rows, i64(LANES)])
+        put_rows(i64(0))
+
+    return emit_step
 
 
 def _band_rows_function(module, out_type) -> ir.Function:
@@ -269,13 +274,13 @@ def _band_rows_function(module, out_type) -> ir.Function:
     return fn
 
 
-def _output_rows_function(module, out_type, partial: bool, offset_step: int) -> ir.Function:
-    """``void f(float* rows, out* image, i64* origins, i64* offsets[, i64 count])``: the 64 vectors ``rows``
-    (r, x) as eight rows of 8 values of each block, row ``r`` of block ``b`` at ``image[origins[b] +
-    offsets[offset_step * r]]``; ``partial``: only blocks ``b < count``. For each row the 8 vectors are
-    transposed (LANES rows of 8) with one shuffle."""
+def _output_rows_function(module, out_type, partial: bool, layout: str, row_vectors, offset_step: int) -> ir.Function:
+    """``void f(float* rows, out* image, i64* origins, i64* offsets[, i64 count])``: row ``r`` of 8 values of each
+    block, the vectors ``row_vectors[r]`` of ``rows``, stored at ``image[origins[b] + offsets[offset_step * r]]``;
+    ``partial``: only blocks ``b < count``. Each row's 8 vectors are transposed (LANES rows of 8) with one
+    shuffle. ``layout`` names the ``row_vectors`` in the function's name."""
     f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
-    name = f"dctchop_inverse8_rows_out_{out_type}_{offset_step}_{'partial' if partial else 'whole'}"
+    name = f"dctchop_inverse8_rows_out_{layout}_{out_type}_{'partial' if partial else 'whole'}"
     fn, new = _internal_function(module, name, [f32.as_pointer(), out_type.as_pointer(), i64.as_pointer(),
                                                 i64.as_pointer()] + [i64] * partial)
     if not new:
@@ -285,12 +290,12 @@ def _output_rows_function(module, out_type, partial: bool, offset_step: int) -> 
     vector, is_bytes = ir.VectorType(f32, LANES), out_type == ir.IntType(8)
     width = 8 * LANES
     to_blocks = ir.Constant(ir.VectorType(i32, width), [LANES * (p % 8) + p // 8 for p in range(width)])
-    for r in range(8):
+    for r, vectors in enumerate(row_vectors):
         parts = []
-        for x in range(8):
-            v = builder.load(builder.bitcast(builder.gep(rows, [i64((8 * r + x) * LANES)]), vector.as_pointer()), align=4)
+        for q in vectors:
+            v = builder.load(builder.bitcast(builder.gep(rows, [i64(int(q) * LANES)]), vector.as_pointer()), align=4)
             parts.append(_rounded_bytes(builder, module, vector, v) if is_bytes else v)
-        while len(parts) > 1:  # concatenated: x after x
+        while len(parts) > 1:  # concatenated in the row's order
             n = parts[0].type.count
             parts = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 2 * n), list(range(2 * n))))
                      for a, b in zip(parts[::2], parts[1::2])]
@@ -363,13 +368,14 @@ def _cube8(typingctx, src, dst, n_blocks):
     return types.void(src, dst, n_blocks), codegen
 
 
-def _into_output_kernel(n_bands: int, stage_bands: int, emit_step, offset_step: int):
+def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, row_vectors, offset_step: int = 1):
     """An intrinsic ``kernel(src, image, n_blocks, origins, offsets)`` that decodes blocks ``0 .. n_blocks`` of
-    band-major ``src`` straight into the flat ``image``, each block's rows of 8 values (rows ``r`` in the order
-    of the bands: ``(z, y)``, or ``h``) at ``image[origins[b] + offsets[r]]``. ``emit_step(builder, src,
-    src_stride, stage, rows, put_rows)`` emits a step's passes (``stage``: a buffer of ``stage_bands`` vectors),
-    calling ``put_rows(k)`` for each eight rows it leaves in ``rows``, which go out with ``offsets`` from
-    ``offsets[k]`` on, ``offset_step`` apart. The last few blocks go through a zero-padded copy."""
+    band-major ``src`` straight into the flat ``image``: a block's row ``r`` of 8 values at ``image[origins[b] +
+    offsets[r]]``. ``emit_step(builder, src, src_stride, stage, rows, put_rows)`` emits a step's passes
+    (``stage``: a buffer of ``stage_bands`` vectors), calling ``put_rows(k)`` each time it leaves rows in
+    ``rows``: the vectors ``row_vectors[j]`` for row ``k + offset_step * j``. The last few blocks go through a
+    zero-padded copy."""
+    n_vectors = max(int(q) for vectors in row_vectors for q in vectors) + 1
 
     @intrinsic
     def kernel(typingctx, src, image, n_blocks, origins, offsets):
@@ -382,11 +388,11 @@ def _into_output_kernel(n_bands: int, stage_bands: int, emit_step, offset_step: 
             src_t, image_t, n_t, origins_t, offsets_t = signature.args
             f32, i64 = ir.FloatType(), ir.IntType(64)
             out_type = context.get_data_type(image_t.dtype)
-            whole_out = _output_rows_function(builder.module, out_type, False, offset_step)
-            partial_out = _output_rows_function(builder.module, out_type, True, offset_step)
+            whole_out, partial_out = (_output_rows_function(builder.module, out_type, partial, layout, row_vectors,
+                                                            offset_step) for partial in (False, True))
             src_a, src_stride, whole, rest = _steps(context, builder, src_t, args[0], n_t, args[2])
             stage = cgutils.alloca_once(builder, f32, size=stage_bands * LANES) if stage_bands else None
-            rows = cgutils.alloca_once(builder, f32, size=64 * LANES)
+            rows = cgutils.alloca_once(builder, f32, size=n_vectors * LANES)
             image = context.make_array(image_t)(context, builder, args[1]).data
             origins = context.make_array(origins_t)(context, builder, args[3]).data
             offsets = context.make_array(offsets_t)(context, builder, args[4]).data
@@ -407,13 +413,24 @@ def _into_output_kernel(n_bands: int, stage_bands: int, emit_step, offset_step: 
     return kernel
 
 
-_cube8_rows = _into_output_kernel(CUBE_BANDS, CUBE_BANDS, _cube_step, 8)  # rows (z, y): offsets[8 z + y]
-_grey8_rows = _into_output_kernel(64, 0, _grey_step, 1)
+# Which bands each kernel's row r of a block holds, in the row's order (the order of the output): volumes and
+# grey blocks in band order; RGB (bands (H, W, colour)) interleaved, rows of 8 of the 24 bytes of each row of
+# pixels, or as planes, rows r = 3 h + c over W.
+CUBE_ROWS = np.arange(CUBE_BANDS).reshape(-1, 8)
+GREY_ROWS = np.arange(64).reshape(-1, 8)
+RGB_ROWS = np.arange(192).reshape(-1, 8)
+RGB_PLANE_ROWS = np.array([[24 * h + 3 * w + c for w in range(8)] for h in range(8) for c in range(3)])
+_cube8_rows = _into_output_kernel("cube", CUBE_BANDS, CUBE_BANDS, _cube_step, CUBE_ROWS[:8], 8)  # a row of Y a time
+_grey8_rows = _into_output_kernel("grey", 64, 0, _program_step("grey8", (8, 8), ((1, DCT8), (0, DCT8))), GREY_ROWS)
+_RGB8_PASSES = ((0, DCT8), (2, COLOUR3), (1, DCT8))  # the pass over H, then the colour DCT, then W
+_rgb8_rows = _into_output_kernel("rgb", 192, 0, _program_step("rgb8", (8, 8, 3), _RGB8_PASSES), RGB_ROWS)
+_rgb8_plane_rows = _into_output_kernel("rgb_planes", 192, 0, _program_step("rgb8", (8, 8, 3), _RGB8_PASSES),
+                                       RGB_PLANE_ROWS)
 
 
 # RGB: bands (H, W, colour); the pass over H, then the colour DCT, then the pass over W (the order of the numba
 # kernels). Grey: bands (H, W); the pass over W, then over H.
-_rgb8 = _blocks_kernel("rgb8", (8, 8, 3), ((0, DCT8), (2, COLOUR3), (1, DCT8)))
+_rgb8 = _blocks_kernel("rgb8", (8, 8, 3), _RGB8_PASSES)
 _grey8 = _blocks_kernel("grey8", (8, 8), ((1, DCT8), (0, DCT8)))
 _grey84 = _blocks_kernel("grey84", (8, 4), ((1, DCT4), (0, DCT8)))
 _grey48 = _blocks_kernel("grey48", (4, 8), ((1, DCT8), (0, DCT4)))
@@ -471,6 +488,21 @@ def inverse_grey8_rows(src, image, n_blocks, origins, offsets):  # pragma: no co
     _grey8_rows(src, image, n_blocks, origins, offsets)
 
 
+@numba.njit(nogil=True, cache=True)
+def inverse_rgb8_rows(src, image, n_blocks, origins, offsets):  # pragma: no cover - compiled
+    """Blocks of 8x8 RGB pixels, ``(192, stride)`` band-major, straight into the flat ``image``: values ``8 r ..
+    8 r + 7`` of block ``b`` in band order (pixels interleaved) to ``image[origins[b] + offsets[r]]``."""
+    _rgb8_rows(src, image, n_blocks, origins, offsets)
+
+
+@numba.njit(nogil=True, cache=True)
+def inverse_rgb8_plane_rows(src, image, n_blocks, origins, offsets):  # pragma: no cover - compiled
+    """Blocks of 8x8 RGB pixels, ``(192, stride)`` band-major, straight into the flat ``image`` as planes: pixel
+    row ``h`` of colour ``c`` of block ``b`` to ``image[origins[b] + offsets[3 h + c]]``."""
+    _rgb8_plane_rows(src, image, n_blocks, origins, offsets)
+
+
 GREY_KERNELS = {(8, 8): inverse_grey8, (8, 4): inverse_grey84, (4, 8): inverse_grey48, (4, 4): inverse_grey44}
-# the kernels that write blocks whose rows of 8 are rows of the output (in the order of their bands) there
-INTO_OUTPUT = {inverse_cube8: inverse_cube8_rows, inverse_grey8: inverse_grey8_rows}
+# the kernels that write blocks whose rows of 8 are rows of the output there, with the bands of each row
+INTO_OUTPUT = {inverse_cube8: [(inverse_cube8_rows, CUBE_ROWS)], inverse_grey8: [(inverse_grey8_rows, GREY_ROWS)],
+               inverse_rgb8: [(inverse_rgb8_rows, RGB_ROWS), (inverse_rgb8_plane_rows, RGB_PLANE_ROWS)]}

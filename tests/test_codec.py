@@ -291,17 +291,20 @@ def test_blocks_of_8_run_all_their_passes_in_one_kernel(shape, axes, block, one_
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32])
-@pytest.mark.parametrize("shape, axes, block, kernel", [
-    ((24, 8, 16, 16), (1, 2, 3), (8, 8, 8), "inverse_cube8_rows"),  # volumes
-    ((40, 16, 32), (1, 2), (8, 8), "inverse_grey8_rows"),  # grey images, 2-D fields
+@pytest.mark.parametrize("shape, axes, block, channels_first, kernel", [
+    ((24, 8, 16, 16), (1, 2, 3), (8, 8, 8), False, "inverse_cube8_rows"),  # volumes
+    ((40, 16, 32), (1, 2), (8, 8), False, "inverse_grey8_rows"),  # grey images, 2-D fields
+    ((48, 16, 24, 3), (1, 2, 3), (8, 8, 3), False, "inverse_rgb8_rows"),  # RGB images, pixels interleaved
+    ((48, 16, 24, 3), (1, 2, 3), (8, 8, 3), True, "inverse_rgb8_plane_rows"),  # ... written as planes
 ])
-def test_blocks_in_c_order_decode_straight_into_the_output(shape, axes, block, kernel, dtype):
-    """Blocks of 8x8x8 and 8x8 whose rows over the last axis are rows of the output skip the band-major result and
-    its transposes (the faster path; the bit-for-bit test above holds either way)."""
+def test_blocks_decode_straight_into_the_output(shape, axes, block, channels_first, kernel, dtype):
+    """Blocks whose values are rows of 8 in the output skip the band-major result and its transposes (the
+    faster path; the bit-for-bit test above holds either way)."""
     from dctchop import inverse8
     from dctchop.transform import band_major
 
-    ((_, _, passes, rows, rest),) = band_major(make_plan(shape, axes, block, block, "square"), dtype).groups
+    plan = make_plan(shape, axes, block, block, "square")
+    ((_, _, passes, rows, rest),) = band_major(plan, dtype, channels_first).groups
     assert [p[0] for p in passes] == [getattr(inverse8, kernel)] and rows is None and rest is None
 
 

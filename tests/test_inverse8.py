@@ -11,14 +11,20 @@ import scipy.fft
 from dctchop import transform
 from dctchop.inverse8 import (
     COLOUR3,
+    CUBE_ROWS,
     DCT4,
     DCT8,
     GREY_KERNELS,
+    GREY_ROWS,
     LANES,
+    RGB_PLANE_ROWS,
+    RGB_ROWS,
     inverse_cube8,
     inverse_cube8_rows,
     inverse_grey8_rows,
     inverse_rgb8,
+    inverse_rgb8_plane_rows,
+    inverse_rgb8_rows,
     padded_stride,
 )
 
@@ -161,26 +167,37 @@ def test_cube8_bit_for_bit_the_numba_passes(n_blocks, dtype):
     np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))
 
 
+INTO_OUTPUT_CASES = [  # kernel, reference, block (bands in C order), row_bands, sample axes as block axes, blocks along them
+    (inverse_cube8_rows, _numba_cube, (8, 8, 8), CUBE_ROWS, (0, 1, 2), (2, 2, 3)),
+    (inverse_grey8_rows, _numba_grey((8, 8)), (8, 8), GREY_ROWS, (0, 1), (2, 3)),
+    (inverse_rgb8_rows, _numba_rgb8, (8, 8, 3), RGB_ROWS, (0, 1, 2), (2, 3, 1)),  # HWC
+    (inverse_rgb8_plane_rows, _numba_rgb8, (8, 8, 3), RGB_PLANE_ROWS, (2, 0, 1), (1, 2, 3)),  # CHW
+]
+
+
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32])
 @pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
-@pytest.mark.parametrize("kernel, reference, block", [(inverse_cube8_rows, _numba_cube, (8, 8, 8)),
-                                                      (inverse_grey8_rows, _numba_grey((8, 8)), (8, 8))],
-                         ids=["cube8", "grey8"])
-def test_into_output_writes_each_blocks_rows_where_told_and_nothing_else(kernel, reference, block, n_blocks, dtype):
-    """Blocks in samples two blocks long on each axis but the last, three on the last, 2 values apart: row ``r``
-    of a block (its values ``8 r .. 8 r + 7`` in band order) at its origin + ``offsets[r]``, the blocks in a
-    shuffled order (the origins need not grow), nothing written between them."""
+@pytest.mark.parametrize("kernel, reference, block, row_bands, axes, counts", INTO_OUTPUT_CASES,
+                         ids=["cube8", "grey8", "rgb8", "rgb8-planes"])
+def test_into_output_writes_each_blocks_rows_where_told_and_nothing_else(kernel, reference, block, row_bands, axes,
+                                                                         counts, n_blocks, dtype):
+    """Blocks in samples of a few blocks along each axis (2 values between samples): a block's row ``r`` (its
+    bands ``row_bands[r]``) at its origin + ``offsets[r]``, the blocks in a shuffled order (the origins need not
+    grow), nothing written between them."""
     n_bands = math.prod(block)
-    src = _cube_band_major(n_blocks, 3 * n_blocks) if n_bands == 512 else _band_major(64, n_blocks, 3 * n_blocks)
-    sample = (*(2 * b for b in block[:-1]), 3 * block[-1])
-    grid = np.unravel_index(np.arange(math.prod(sample) // n_bands), [s // b for s, b in zip(sample, block)])
-    block_origins = np.ravel_multi_index([g * b for g, b in zip(grid, block)], sample)
+    src = _cube_band_major(n_blocks, 3 * n_blocks) if n_bands == 512 else _band_major(n_bands, n_blocks, 3 * n_blocks)
+    widths = [block[a] for a in axes]
+    sample = tuple(w * c for w, c in zip(widths, counts))
+    grid = np.unravel_index(np.arange(math.prod(counts)), counts)
+    block_origins = np.ravel_multi_index([g * w for g, w in zip(grid, widths)], sample)
     n_samples, size = -(-n_blocks // block_origins.size), math.prod(sample) + 2
     everywhere = (np.arange(n_samples)[:, None] * size + block_origins).reshape(-1)
     origins = np.random.default_rng(n_blocks).permutation(everywhere)[:n_blocks].astype(np.int64)
-    places = np.ravel_multi_index(np.unravel_index(np.arange(n_bands), block), sample)  # of a block at 0, by band
+    band_index = np.unravel_index(np.arange(n_bands), block)
+    places = np.ravel_multi_index([band_index[a] for a in axes], sample)  # of a block at 0, by band
+    assert np.array_equal(places[row_bands], places[row_bands[:, :1]] + np.arange(8)), "rows of 8 in the sample"
     image = np.zeros(n_samples * size, dtype)
-    kernel(src, image, n_blocks, origins, places[::8].astype(np.int64))
+    kernel(src, image, n_blocks, origins, places[row_bands[:, 0]].astype(np.int64))
     expected = np.zeros_like(image)
     expected[origins + places[:, None]] = reference(src, n_blocks, dtype)
     np.testing.assert_array_equal(image.view(np.uint8), expected.view(np.uint8))
