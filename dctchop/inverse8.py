@@ -275,9 +275,9 @@ def _band_rows_function(module, out_type) -> ir.Function:
 
 
 def _output_rows_function(module, out_type, partial: bool, layout: str, row_vectors, offset_step: int) -> ir.Function:
-    """``void f(float* rows, out* image, i64* origins, i64* offsets[, i64 count])``: row ``r`` of 8 values of each
-    block, the vectors ``row_vectors[r]`` of ``rows``, stored at ``image[origins[b] + offsets[offset_step * r]]``;
-    ``partial``: only blocks ``b < count``. Each row's 8 vectors are transposed (LANES rows of 8) with one
+    """``void f(float* rows, out* image, i64* origins, i64* offsets[, i64 count])``: row ``r`` of each block, the
+    vectors ``row_vectors[r]`` of ``rows`` (8 or 4), stored at ``image[origins[b] + offsets[offset_step * r]]``;
+    ``partial``: only blocks ``b < count``. Each row's vectors are transposed (LANES rows of 8 or 4) with one
     shuffle. ``layout`` names the ``row_vectors`` in the function's name."""
     f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
     name = f"dctchop_inverse8_rows_out_{layout}_{out_type}_{'partial' if partial else 'whole'}"
@@ -288,9 +288,10 @@ def _output_rows_function(module, out_type, partial: bool, layout: str, row_vect
     builder = ir.IRBuilder(fn.append_basic_block())
     rows, image, origins, offsets, *count = fn.args
     vector, is_bytes = ir.VectorType(f32, LANES), out_type == ir.IntType(8)
-    width = 8 * LANES
-    to_blocks = ir.Constant(ir.VectorType(i32, width), [LANES * (p % 8) + p // 8 for p in range(width)])
     for r, vectors in enumerate(row_vectors):
+        length = len(vectors)
+        to_blocks = ir.Constant(ir.VectorType(i32, length * LANES),
+                                [LANES * (p % length) + p // length for p in range(length * LANES)])
         parts = []
         for q in vectors:
             v = builder.load(builder.bitcast(builder.gep(rows, [i64(int(q) * LANES)]), vector.as_pointer()), align=4)
@@ -304,8 +305,8 @@ def _output_rows_function(module, out_type, partial: bool, layout: str, row_vect
         for b in range(LANES):
             held = builder.if_then(builder.icmp_signed("<", i64(b), count[0])) if partial else contextlib.nullcontext()
             with held:
-                row = builder.shuffle_vector(by_block, by_block,
-                                             ir.Constant(ir.VectorType(i32, 8), list(range(8 * b, 8 * b + 8))))
+                row = builder.shuffle_vector(by_block, by_block, ir.Constant(ir.VectorType(i32, length),
+                                                                             list(range(length * b, length * (b + 1)))))
                 at = builder.add(builder.load(builder.gep(origins, [i64(b)])), offset)
                 builder.store(row, builder.bitcast(builder.gep(image, [at]), row.type.as_pointer()),
                               align=1 if is_bytes else 4)
@@ -417,11 +418,15 @@ def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, 
 # grey blocks in band order; RGB (bands (H, W, colour)) interleaved, rows of 8 of the 24 bytes of each row of
 # pixels, or as planes, rows r = 3 h + c over W.
 CUBE_ROWS = np.arange(CUBE_BANDS).reshape(-1, 8)
-GREY_ROWS = np.arange(64).reshape(-1, 8)
 RGB_ROWS = np.arange(192).reshape(-1, 8)
 RGB_PLANE_ROWS = np.array([[24 * h + 3 * w + c for w in range(8)] for h in range(8) for c in range(3)])
 _cube8_rows = _into_output_kernel("cube", CUBE_BANDS, CUBE_BANDS, _cube_step, CUBE_ROWS[:8], 8)  # a row of Y a time
-_grey8_rows = _into_output_kernel("grey", 64, 0, _program_step("grey8", (8, 8), ((1, DCT8), (0, DCT8))), GREY_ROWS)
+GREY_PASSES = {(8, 8): ((1, DCT8), (0, DCT8)), (8, 4): ((1, DCT4), (0, DCT8)), (4, 8): ((1, DCT8), (0, DCT4)),
+               (4, 4): ((1, DCT4), (0, DCT4))}  # the pass over W, then over H
+GREY_ROWS_OF = {w: np.arange(w[0] * w[1]).reshape(w) for w in GREY_PASSES}  # rows over W, in band order
+_grey8_rows, _grey84_rows, _grey48_rows, _grey44_rows = (
+    _into_output_kernel(f"grey{w[0]}{w[1]}", w[0] * w[1], 0, _program_step(f"grey{w[0]}{w[1]}", w, GREY_PASSES[w]),
+                        GREY_ROWS_OF[w]) for w in ((8, 8), (8, 4), (4, 8), (4, 4)))
 _RGB8_PASSES = ((0, DCT8), (2, COLOUR3), (1, DCT8))  # the pass over H, then the colour DCT, then W
 _rgb8_rows = _into_output_kernel("rgb", 192, 0, _program_step("rgb8", (8, 8, 3), _RGB8_PASSES), RGB_ROWS)
 _rgb8_plane_rows = _into_output_kernel("rgb_planes", 192, 0, _program_step("rgb8", (8, 8, 3), _RGB8_PASSES),
@@ -431,10 +436,10 @@ _rgb8_plane_rows = _into_output_kernel("rgb_planes", 192, 0, _program_step("rgb8
 # RGB: bands (H, W, colour); the pass over H, then the colour DCT, then the pass over W (the order of the numba
 # kernels). Grey: bands (H, W); the pass over W, then over H.
 _rgb8 = _blocks_kernel("rgb8", (8, 8, 3), _RGB8_PASSES)
-_grey8 = _blocks_kernel("grey8", (8, 8), ((1, DCT8), (0, DCT8)))
-_grey84 = _blocks_kernel("grey84", (8, 4), ((1, DCT4), (0, DCT8)))
-_grey48 = _blocks_kernel("grey48", (4, 8), ((1, DCT8), (0, DCT4)))
-_grey44 = _blocks_kernel("grey44", (4, 4), ((1, DCT4), (0, DCT4)))
+_grey8 = _blocks_kernel("grey8", (8, 8), GREY_PASSES[8, 8])
+_grey84 = _blocks_kernel("grey84", (8, 4), GREY_PASSES[8, 4])
+_grey48 = _blocks_kernel("grey48", (4, 8), GREY_PASSES[4, 8])
+_grey44 = _blocks_kernel("grey44", (4, 4), GREY_PASSES[4, 4])
 
 
 @numba.njit(nogil=True, cache=True)
@@ -489,6 +494,24 @@ def inverse_grey8_rows(src, image, n_blocks, origins, offsets):  # pragma: no co
 
 
 @numba.njit(nogil=True, cache=True)
+def inverse_grey84_rows(src, image, n_blocks, origins, offsets):  # pragma: no cover - compiled
+    """:func:`inverse_grey8_rows` of blocks of 8x4 samples (8 rows of 4)."""
+    _grey84_rows(src, image, n_blocks, origins, offsets)
+
+
+@numba.njit(nogil=True, cache=True)
+def inverse_grey48_rows(src, image, n_blocks, origins, offsets):  # pragma: no cover - compiled
+    """:func:`inverse_grey8_rows` of blocks of 4x8 samples."""
+    _grey48_rows(src, image, n_blocks, origins, offsets)
+
+
+@numba.njit(nogil=True, cache=True)
+def inverse_grey44_rows(src, image, n_blocks, origins, offsets):  # pragma: no cover - compiled
+    """:func:`inverse_grey8_rows` of blocks of 4x4 samples."""
+    _grey44_rows(src, image, n_blocks, origins, offsets)
+
+
+@numba.njit(nogil=True, cache=True)
 def inverse_rgb8_rows(src, image, n_blocks, origins, offsets):  # pragma: no cover - compiled
     """Blocks of 8x8 RGB pixels, ``(192, stride)`` band-major, straight into the flat ``image``: values ``8 r ..
     8 r + 7`` of block ``b`` in band order (pixels interleaved) to ``image[origins[b] + offsets[r]]``."""
@@ -503,6 +526,9 @@ def inverse_rgb8_plane_rows(src, image, n_blocks, origins, offsets):  # pragma: 
 
 
 GREY_KERNELS = {(8, 8): inverse_grey8, (8, 4): inverse_grey84, (4, 8): inverse_grey48, (4, 4): inverse_grey44}
-# the kernels that write blocks whose rows of 8 are rows of the output there, with the bands of each row
-INTO_OUTPUT = {inverse_cube8: [(inverse_cube8_rows, CUBE_ROWS)], inverse_grey8: [(inverse_grey8_rows, GREY_ROWS)],
-               inverse_rgb8: [(inverse_rgb8_rows, RGB_ROWS), (inverse_rgb8_plane_rows, RGB_PLANE_ROWS)]}
+# the kernels that write blocks whose rows of 8 (or 4) are rows of the output there, with the bands of each row
+INTO_OUTPUT = {inverse_cube8: [(inverse_cube8_rows, CUBE_ROWS)],
+               inverse_rgb8: [(inverse_rgb8_rows, RGB_ROWS), (inverse_rgb8_plane_rows, RGB_PLANE_ROWS)],
+               **{GREY_KERNELS[w]: [(kernel, GREY_ROWS_OF[w])] for w, kernel in (
+                   ((8, 8), inverse_grey8_rows), ((8, 4), inverse_grey84_rows), ((4, 8), inverse_grey48_rows),
+                   ((4, 4), inverse_grey44_rows))}}

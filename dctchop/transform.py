@@ -1580,7 +1580,7 @@ def _band_major(shape, axes, block, keep, mask, dtype_str: str, channels_first: 
 
 def _group(first: int, n: int, passes: tuple, stride: int, positions: np.ndarray, n_bands: int) -> tuple:
     """A block group of :attr:`BandMajor.groups` (``positions``: each of its values' place in the output, a run
-    per band): blocks whose values are rows of 8 in the output, laid out as one of the kernels of
+    per band): blocks whose values are rows of 8 (or 4) in the output, laid out as one of the kernels of
     :data:`dctchop.inverse8.INTO_OUTPUT` writes them, decode straight into the output; the others go out after
     their passes (:func:`_group_output`)."""
     from dctchop.inverse8 import INTO_OUTPUT
@@ -1591,7 +1591,7 @@ def _group(first: int, n: int, passes: tuple, stride: int, positions: np.ndarray
     if np.array_equal(by_band, by_band[:, :1] + origins):
         for into_output, row_bands in INTO_OUTPUT.get(kernel, ()):
             offsets = by_band[row_bands[:, 0], 0]  # each row's place in block 0
-            if np.array_equal(by_band[row_bands, 0], offsets[:, None] + np.arange(8)):
+            if np.array_equal(by_band[row_bands, 0], offsets[:, None] + np.arange(row_bands.shape[1])):
                 rows = origins.astype(np.int64), offsets.astype(np.int64)
                 return first, n, ((into_output, view, (*args, *rows), True),), None, None
     return first, n, passes, *_group_output(positions, n_bands, first, stride)

@@ -308,6 +308,18 @@ def test_blocks_decode_straight_into_the_output(shape, axes, block, channels_fir
     assert [p[0] for p in passes] == [getattr(inverse8, kernel)] and rows is None and rest is None
 
 
+def test_28x28_grey_images_decode_every_block_group_straight_into_the_output():
+    """Their edge blocks too: 8x4, 4x8 and 4x4, rows of 4 where the blocks are 4 wide."""
+    from dctchop import inverse8
+    from dctchop.transform import band_major
+
+    groups = band_major(make_plan((40, 28, 28), (1, 2), (8, 8), (8, 8), "square"), np.uint8).groups
+    kernels = {p[0] for _, _, passes, _, _ in groups for p in passes}
+    assert kernels == {inverse8.inverse_grey8_rows, inverse8.inverse_grey84_rows, inverse8.inverse_grey48_rows,
+                       inverse8.inverse_grey44_rows}
+    assert all(rows is None and rest is None for _, _, _, rows, rest in groups)
+
+
 @pytest.mark.parametrize("shape, axes, block, keep, mask, dtype", [
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "float16"),  # float output other than float32
     ((16, 16, 24, 3), (1, 2, 3), (8, 8, 3), (8, 8, 3), "square", "float64"),

@@ -15,13 +15,16 @@ from dctchop.inverse8 import (
     DCT4,
     DCT8,
     GREY_KERNELS,
-    GREY_ROWS,
+    GREY_ROWS_OF,
     LANES,
     RGB_PLANE_ROWS,
     RGB_ROWS,
     inverse_cube8,
     inverse_cube8_rows,
     inverse_grey8_rows,
+    inverse_grey44_rows,
+    inverse_grey48_rows,
+    inverse_grey84_rows,
     inverse_rgb8,
     inverse_rgb8_plane_rows,
     inverse_rgb8_rows,
@@ -169,7 +172,10 @@ def test_cube8_bit_for_bit_the_numba_passes(n_blocks, dtype):
 
 INTO_OUTPUT_CASES = [  # kernel, reference, block (bands in C order), row_bands, sample axes as block axes, blocks along them
     (inverse_cube8_rows, _numba_cube, (8, 8, 8), CUBE_ROWS, (0, 1, 2), (2, 2, 3)),
-    (inverse_grey8_rows, _numba_grey((8, 8)), (8, 8), GREY_ROWS, (0, 1), (2, 3)),
+    (inverse_grey8_rows, _numba_grey((8, 8)), (8, 8), GREY_ROWS_OF[8, 8], (0, 1), (2, 3)),
+    (inverse_grey84_rows, _numba_grey((8, 4)), (8, 4), GREY_ROWS_OF[8, 4], (0, 1), (2, 3)),  # rows of 4
+    (inverse_grey48_rows, _numba_grey((4, 8)), (4, 8), GREY_ROWS_OF[4, 8], (0, 1), (2, 3)),
+    (inverse_grey44_rows, _numba_grey((4, 4)), (4, 4), GREY_ROWS_OF[4, 4], (0, 1), (3, 2)),
     (inverse_rgb8_rows, _numba_rgb8, (8, 8, 3), RGB_ROWS, (0, 1, 2), (2, 3, 1)),  # HWC
     (inverse_rgb8_plane_rows, _numba_rgb8, (8, 8, 3), RGB_PLANE_ROWS, (2, 0, 1), (1, 2, 3)),  # CHW
 ]
@@ -178,7 +184,7 @@ INTO_OUTPUT_CASES = [  # kernel, reference, block (bands in C order), row_bands,
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32])
 @pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
 @pytest.mark.parametrize("kernel, reference, block, row_bands, axes, counts", INTO_OUTPUT_CASES,
-                         ids=["cube8", "grey8", "rgb8", "rgb8-planes"])
+                         ids=["cube8", "grey8", "grey8x4", "grey4x8", "grey4x4", "rgb8", "rgb8-planes"])
 def test_into_output_writes_each_blocks_rows_where_told_and_nothing_else(kernel, reference, block, row_bands, axes,
                                                                          counts, n_blocks, dtype):
     """Blocks in samples of a few blocks along each axis (2 values between samples): a block's row ``r`` (its
@@ -195,7 +201,7 @@ def test_into_output_writes_each_blocks_rows_where_told_and_nothing_else(kernel,
     origins = np.random.default_rng(n_blocks).permutation(everywhere)[:n_blocks].astype(np.int64)
     band_index = np.unravel_index(np.arange(n_bands), block)
     places = np.ravel_multi_index([band_index[a] for a in axes], sample)  # of a block at 0, by band
-    assert np.array_equal(places[row_bands], places[row_bands[:, :1]] + np.arange(8)), "rows of 8 in the sample"
+    assert np.array_equal(places[row_bands], places[row_bands[:, :1]] + np.arange(row_bands.shape[1])), "rows"
     image = np.zeros(n_samples * size, dtype)
     kernel(src, image, n_blocks, origins, places[row_bands[:, 0]].astype(np.int64))
     expected = np.zeros_like(image)
