@@ -372,8 +372,8 @@ def _cube8(typingctx, src, dst, n_blocks):
 
 def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, row_vectors, offset_step: int = 1):
     """An intrinsic ``kernel(src, image, n_blocks, origins, offsets)`` that decodes blocks ``0 .. n_blocks`` of
-    band-major ``src`` straight into the flat ``image``: a block's row ``r`` of 8 values at ``image[origins[b] +
-    offsets[r]]``. ``emit_step(builder, src, src_stride, stage, rows, put_rows)`` emits a step's passes
+    band-major ``src`` straight into the flat ``image``: a block's row ``r`` of 8 (or 4) values at
+    ``image[origins[b] + offsets[r]]``. ``emit_step(builder, src, src_stride, stage, rows, put_rows)`` emits a step's passes
     (``stage``: a buffer of ``stage_bands`` vectors), calling ``put_rows(k)`` each time it leaves rows in
     ``rows``: the vectors ``row_vectors[j]`` for row ``k + offset_step * j``. The last few blocks go through a
     zero-padded copy."""
@@ -415,32 +415,28 @@ def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, 
     return kernel
 
 
-# Which bands each kernel's row r of a block holds, in the row's order (the order of the output): volumes and
-# grey blocks in band order; RGB (bands (H, W, colour)) interleaved, rows of 8 of the 24 bytes of each row of
-# pixels, or as planes, rows r = 3 h + c over W.
+# RGB: bands (H, W, colour); the pass over H, then the colour DCT, then the pass over W (the order of the numba
+# kernels). Grey: bands (H, W); the pass over W, then over H.
+RGB8_PASSES = ((0, DCT8), (2, COLOUR3), (1, DCT8))
+GREY_PASSES = {(8, 8): ((1, DCT8), (0, DCT8)), (8, 4): ((1, DCT4), (0, DCT8)), (4, 8): ((1, DCT8), (0, DCT4)),
+               (4, 4): ((1, DCT4), (0, DCT4))}
+_rgb8 = _blocks_kernel("rgb8", (8, 8, 3), RGB8_PASSES)
+_grey8, _grey84, _grey48, _grey44 = (_blocks_kernel(f"grey{h}{w}", (h, w), GREY_PASSES[h, w])
+                                     for h, w in ((8, 8), (8, 4), (4, 8), (4, 4)))
+
+# Which bands each straight-into-the-output kernel's row r of a block holds, in the row's order (the order of the
+# output): volumes and grey blocks in band order (rows over X or W); RGB interleaved (rows of 8 of the 24 bytes of
+# each row of pixels) or as planes (rows r = 3 h + c over W).
 CUBE_ROWS = np.arange(CUBE_BANDS).reshape(-1, 8)
+GREY_ROWS_OF = {w: np.arange(w[0] * w[1]).reshape(w) for w in GREY_PASSES}
 RGB_ROWS = np.arange(192).reshape(-1, 8)
 RGB_PLANE_ROWS = np.array([[24 * h + 3 * w + c for w in range(8)] for h in range(8) for c in range(3)])
 _cube8_rows = _into_output_kernel("cube", CUBE_BANDS, CUBE_BANDS, _cube_step, CUBE_ROWS[:8], 8)  # a row of Y a time
-GREY_PASSES = {(8, 8): ((1, DCT8), (0, DCT8)), (8, 4): ((1, DCT4), (0, DCT8)), (4, 8): ((1, DCT8), (0, DCT4)),
-               (4, 4): ((1, DCT4), (0, DCT4))}  # the pass over W, then over H
-GREY_ROWS_OF = {w: np.arange(w[0] * w[1]).reshape(w) for w in GREY_PASSES}  # rows over W, in band order
 _grey8_rows, _grey84_rows, _grey48_rows, _grey44_rows = (
-    _into_output_kernel(f"grey{w[0]}{w[1]}", w[0] * w[1], 0, _program_step(f"grey{w[0]}{w[1]}", w, GREY_PASSES[w]),
-                        GREY_ROWS_OF[w]) for w in ((8, 8), (8, 4), (4, 8), (4, 4)))
-_RGB8_PASSES = ((0, DCT8), (2, COLOUR3), (1, DCT8))  # the pass over H, then the colour DCT, then W
-_rgb8_rows = _into_output_kernel("rgb", 192, 0, _program_step("rgb8", (8, 8, 3), _RGB8_PASSES), RGB_ROWS)
-_rgb8_plane_rows = _into_output_kernel("rgb_planes", 192, 0, _program_step("rgb8", (8, 8, 3), _RGB8_PASSES),
-                                       RGB_PLANE_ROWS)
-
-
-# RGB: bands (H, W, colour); the pass over H, then the colour DCT, then the pass over W (the order of the numba
-# kernels). Grey: bands (H, W); the pass over W, then over H.
-_rgb8 = _blocks_kernel("rgb8", (8, 8, 3), _RGB8_PASSES)
-_grey8 = _blocks_kernel("grey8", (8, 8), GREY_PASSES[8, 8])
-_grey84 = _blocks_kernel("grey84", (8, 4), GREY_PASSES[8, 4])
-_grey48 = _blocks_kernel("grey48", (4, 8), GREY_PASSES[4, 8])
-_grey44 = _blocks_kernel("grey44", (4, 4), GREY_PASSES[4, 4])
+    _into_output_kernel(f"grey{h}{w}", h * w, 0, _program_step(f"grey{h}{w}", (h, w), GREY_PASSES[h, w]),
+                        GREY_ROWS_OF[h, w]) for h, w in ((8, 8), (8, 4), (4, 8), (4, 4)))
+_rgb8_rows, _rgb8_plane_rows = (_into_output_kernel(layout, 192, 0, _program_step("rgb8", (8, 8, 3), RGB8_PASSES), rows)
+                                for layout, rows in (("rgb", RGB_ROWS), ("rgb_planes", RGB_PLANE_ROWS)))
 
 
 @numba.njit(nogil=True, cache=True)
