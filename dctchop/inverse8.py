@@ -163,47 +163,48 @@ def _copy_columns(builder, n_rows: int, count, source, target) -> None:
         builder.store(builder.load(builder.gep(src, [at(src_stride, s0)])), builder.gep(dst, [at(dst_stride, d0)]))
 
 
-def _blocks_kernel(name: str, dims: tuple[int, ...], passes):
-    """An intrinsic ``kernel(src, dst, n_blocks)`` that decodes blocks ``0 .. n_blocks`` of 2-D ``src`` into
-    ``dst`` (uint8 or float32) with the pass program ``(dims, passes)`` of :func:`_block_program`: whole steps
-    in place, the last few blocks through zero-padded copies on the stack."""
-    n_rows = int(np.prod(dims))
+def _blocks_kernel(n_bands: int, emit_step, scratch_vectors: int = 0):
+    """An intrinsic ``kernel(src, dst, n_blocks)`` that decodes blocks ``0 .. n_blocks`` of 2-D ``src`` (``n_bands``
+    rows) into ``dst`` (uint8 or float32): whole steps in place, the last few blocks through zero-padded copies
+    on the stack. ``emit_step(builder, out_type, src, src_stride, dst, dst_stride, scratch)`` emits one step
+    (``scratch``: ``scratch_vectors`` vectors on the stack, or None)."""
 
     @intrinsic
     def kernel(typingctx, src, dst, n_blocks):
-        if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype == types.float32
-                and isinstance(dst, types.Array) and dst.ndim == 2 and dst.dtype in (types.float32, types.uint8)):
+        if not (_is_band_major(src, dst) and dst.ndim == 2):
             return None
-        sig = types.void(src, dst, n_blocks)
 
         def codegen(context, builder, signature, args):
             src_t, dst_t, n_t = signature.args
+            f32, i64 = ir.FloatType(), ir.IntType(64)
             out_type = context.get_data_type(dst_t.dtype)
-            step = _step_function(builder.module, f"dctchop_inverse8_{name}_{dst_t.dtype}", dims, passes,
-                                  out_type)
-            i64 = ir.IntType(64)
-            src_a = context.make_array(src_t)(context, builder, args[0])
+            src_a, src_stride, whole, rest = _steps(context, builder, src_t, args[0], n_t, args[2])
             dst_a = context.make_array(dst_t)(context, builder, args[1])
-            n = context.cast(builder, args[2], n_t, types.int64)
-            src_stride = builder.sdiv(builder.extract_value(src_a.strides, 0), i64(4))
             dst_stride = builder.sdiv(builder.extract_value(dst_a.strides, 0), i64(dst_t.dtype.bitwidth // 8))
-            whole = builder.sub(n, builder.srem(n, i64(LANES)))
+            scratch = cgutils.alloca_once(builder, f32, size=scratch_vectors * LANES) if scratch_vectors else None
             with cgutils.for_range_slice(builder, i64(0), whole, i64(LANES)) as (b, _):
-                builder.call(step, [builder.gep(src_a.data, [b]), src_stride, builder.gep(dst_a.data, [b]),
-                                    dst_stride])
-            rest = builder.sub(n, whole)
+                emit_step(builder, out_type, builder.gep(src_a.data, [b]), src_stride, builder.gep(dst_a.data, [b]),
+                          dst_stride, scratch)
             with builder.if_then(builder.icmp_signed(">", rest, i64(0))):
-                pad_in = cgutils.alloca_once(builder, ir.FloatType(), size=n_rows * LANES)
-                pad_out = cgutils.alloca_once(builder, out_type, size=n_rows * LANES)
-                cgutils.memset(builder, pad_in, i64(4 * n_rows * LANES), 0)
-                _copy_columns(builder, n_rows, rest, (src_a.data, src_stride, whole), (pad_in, i64(LANES), i64(0)))
-                builder.call(step, [pad_in, i64(LANES), pad_out, i64(LANES)])
-                _copy_columns(builder, n_rows, rest, (pad_out, i64(LANES), i64(0)), (dst_a.data, dst_stride, whole))
+                pad_in = _padded_rest(builder, n_bands, src_a, src_stride, whole, rest)
+                pad_out = cgutils.alloca_once(builder, out_type, size=n_bands * LANES)
+                emit_step(builder, out_type, pad_in, i64(LANES), pad_out, i64(LANES), scratch)
+                _copy_columns(builder, n_bands, rest, (pad_out, i64(LANES), i64(0)), (dst_a.data, dst_stride, whole))
             return context.get_dummy_value()
 
-        return sig, codegen
+        return types.void(src, dst, n_blocks), codegen
 
     return kernel
+
+
+def _program_into_bands(name: str, dims, passes):
+    """``emit_step`` for :func:`_blocks_kernel` of the pass program ``(dims, passes)`` of :func:`_block_program`."""
+
+    def emit_step(builder, out_type, src, src_stride, dst, dst_stride, scratch) -> None:
+        step = _step_function(builder.module, f"dctchop_inverse8_{name}_{out_type}", dims, passes, out_type)
+        builder.call(step, [src, src_stride, dst, dst_stride])
+
+    return emit_step
 
 
 # Blocks of 8x8x8 (volumes). A whole block's 512 values do not fit in registers (a program of the whole block,
@@ -239,7 +240,7 @@ def _cube_step(builder, src, src_stride, stage, rows, put_rows) -> None:
         put_rows(y.index)
 
 
-def _program_step(name: str, dims, passes):
+def _program_into_rows(name: str, dims, passes):
     """``emit_step`` for :func:`_into_output_kernel` of blocks whose whole program (:func:`_block_program`) runs
     in one go: all a step's values into ``rows`` (vectors in band order), then ``put_rows(0)``."""
 
@@ -339,35 +340,12 @@ def _is_band_major(src, dst) -> bool:
             and isinstance(dst, types.Array) and dst.dtype in (types.float32, types.uint8))
 
 
-@intrinsic
-def _cube8(typingctx, src, dst, n_blocks):
-    """:func:`inverse_cube8`."""
-    if not (_is_band_major(src, dst) and dst.ndim == 2):
-        return None
-
-    def codegen(context, builder, signature, args):
-        src_t, dst_t, n_t = signature.args
-        f32, i64 = ir.FloatType(), ir.IntType(64)
-        out_type = context.get_data_type(dst_t.dtype)
-        bands = _band_rows_function(builder.module, out_type)
-        src_a, src_stride, whole, rest = _steps(context, builder, src_t, args[0], n_t, args[2])
-        stage = cgutils.alloca_once(builder, f32, size=CUBE_BANDS * LANES)
-        rows = cgutils.alloca_once(builder, f32, size=64 * LANES)
-        dst_a = context.make_array(dst_t)(context, builder, args[1])
-        dst_stride = builder.sdiv(builder.extract_value(dst_a.strides, 0), i64(dst_t.dtype.bitwidth // 8))
-        with cgutils.for_range_slice(builder, i64(0), whole, i64(LANES)) as (b, _):
-            dst_b = builder.gep(dst_a.data, [b])
-            _cube_step(builder, builder.gep(src_a.data, [b]), src_stride, stage, rows,
-                       lambda y: builder.call(bands, [rows, dst_b, dst_stride, y]))
-        with builder.if_then(builder.icmp_signed(">", rest, i64(0))):
-            pad_in = _padded_rest(builder, CUBE_BANDS, src_a, src_stride, whole, rest)
-            pad_out = cgutils.alloca_once(builder, out_type, size=CUBE_BANDS * LANES)
-            _cube_step(builder, pad_in, i64(LANES), stage, rows,
-                       lambda y: builder.call(bands, [rows, pad_out, i64(LANES), y]))
-            _copy_columns(builder, CUBE_BANDS, rest, (pad_out, i64(LANES), i64(0)), (dst_a.data, dst_stride, whole))
-        return context.get_dummy_value()
-
-    return types.void(src, dst, n_blocks), codegen
+def _cube_into_bands(builder, out_type, src, src_stride, dst, dst_stride, scratch) -> None:
+    """``emit_step`` for :func:`_blocks_kernel` of 8x8x8 blocks (:func:`_cube_step`, its ``stage`` and ``rows``
+    in ``scratch``), each row of Y's ``rows`` out as bands (:func:`_band_rows_function`)."""
+    bands = _band_rows_function(builder.module, out_type)
+    rows = builder.gep(scratch, [ir.IntType(64)(CUBE_BANDS * LANES)])
+    _cube_step(builder, src, src_stride, scratch, rows, lambda y: builder.call(bands, [rows, dst, dst_stride, y]))
 
 
 def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, row_vectors, offset_step: int = 1):
@@ -420,9 +398,10 @@ def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, 
 RGB8_PASSES = ((0, DCT8), (2, COLOUR3), (1, DCT8))
 GREY_PASSES = {(8, 8): ((1, DCT8), (0, DCT8)), (8, 4): ((1, DCT4), (0, DCT8)), (4, 8): ((1, DCT8), (0, DCT4)),
                (4, 4): ((1, DCT4), (0, DCT4))}
-_rgb8 = _blocks_kernel("rgb8", (8, 8, 3), RGB8_PASSES)
-_grey8, _grey84, _grey48, _grey44 = (_blocks_kernel(f"grey{h}{w}", (h, w), GREY_PASSES[h, w])
+_rgb8 = _blocks_kernel(192, _program_into_bands("rgb8", (8, 8, 3), RGB8_PASSES))
+_grey8, _grey84, _grey48, _grey44 = (_blocks_kernel(h * w, _program_into_bands(f"grey{h}{w}", (h, w), GREY_PASSES[h, w]))
                                      for h, w in ((8, 8), (8, 4), (4, 8), (4, 4)))
+_cube8 = _blocks_kernel(CUBE_BANDS, _cube_into_bands, CUBE_BANDS + 64)  # stage and rows of _cube_step
 
 # Which bands each straight-into-the-output kernel's row r of a block holds, in the row's order (the order of the
 # output): volumes and grey blocks in band order (rows over X or W); RGB interleaved (rows of 8 of the 24 bytes of
@@ -433,9 +412,9 @@ RGB_ROWS = np.arange(192).reshape(-1, 8)
 RGB_PLANE_ROWS = np.array([[24 * h + 3 * w + c for w in range(8)] for h in range(8) for c in range(3)])
 _cube8_rows = _into_output_kernel("cube", CUBE_BANDS, CUBE_BANDS, _cube_step, CUBE_ROWS[:8], 8)  # a row of Y a time
 _grey8_rows, _grey84_rows, _grey48_rows, _grey44_rows = (
-    _into_output_kernel(f"grey{h}{w}", h * w, 0, _program_step(f"grey{h}{w}", (h, w), GREY_PASSES[h, w]),
+    _into_output_kernel(f"grey{h}{w}", h * w, 0, _program_into_rows(f"grey{h}{w}", (h, w), GREY_PASSES[h, w]),
                         GREY_ROWS_OF[h, w]) for h, w in ((8, 8), (8, 4), (4, 8), (4, 4)))
-_rgb8_rows, _rgb8_plane_rows = (_into_output_kernel(layout, 192, 0, _program_step("rgb8", (8, 8, 3), RGB8_PASSES), rows)
+_rgb8_rows, _rgb8_plane_rows = (_into_output_kernel(layout, 192, 0, _program_into_rows("rgb8", (8, 8, 3), RGB8_PASSES), rows)
                                 for layout, rows in (("rgb", RGB_ROWS), ("rgb_planes", RGB_PLANE_ROWS)))
 
 
