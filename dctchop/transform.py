@@ -1333,8 +1333,8 @@ def channels_first_shape(shape) -> tuple[int, ...]:
 # time: eight rows of eight values loaded, transposed and stored as vectors (:func:`_transpose_rows8`; 32x32 RGB
 # when the byte transpose still used shifts and masks: 0.77 against 1.28 ns per value for the placement and the
 # inverse); else value by value (:func:`_move`: into a loader's chunk buffers, which the cache has dropped, one 4-byte
-# store per float32 cost more than the placement saved). Blocks of 8x8x8 whose rows over X are rows of the output
-# skip the result: their kernel stores each row there itself (:func:`dctchop.inverse8.inverse_cube8_rows`).
+# store per float32 cost more than the placement saved). Blocks whose rows are rows of the output skip the result:
+# their kernels store each row there themselves (:data:`dctchop.inverse8.INTO_OUTPUT`, :func:`_group`).
 
 
 @numba.njit(inline="always")
@@ -1588,31 +1588,31 @@ def _group(first: int, n: int, passes: tuple, stride: int, positions: np.ndarray
     (kernel, view, args, _), *_ = passes
     by_band = positions.reshape(n_bands, -1)
     origins = by_band[0] - by_band[0, 0]  # each block's shift from block 0
-    if np.array_equal(by_band, by_band[:, :1] + origins):
-        for into_output, row_bands in INTO_OUTPUT.get(kernel, ()):
-            offsets = by_band[row_bands[:, 0], 0]  # each row's place in block 0
-            if np.array_equal(by_band[row_bands, 0], offsets[:, None] + np.arange(row_bands.shape[1])):
-                rows = origins.astype(np.int64), offsets.astype(np.int64)
-                return first, n, ((into_output, view, (*args, *rows), True),), None, None
-    return first, n, passes, *_group_output(positions, n_bands, first, stride)
+    alike = np.array_equal(by_band, by_band[:, :1] + origins)  # every block laid out as block 0
+    for into_output, row_bands in INTO_OUTPUT.get(kernel, ()) if alike else ():
+        offsets = by_band[row_bands[:, 0], 0]  # each row's place in block 0
+        if np.array_equal(by_band[row_bands, 0], offsets[:, None] + np.arange(row_bands.shape[1])):
+            rows = origins.astype(np.int64), offsets.astype(np.int64)
+            return first, n, ((into_output, view, (*args, *rows), True),), None, None
+    return first, n, passes, *_group_output(by_band, origins, alike, first, stride)
 
 
-def _group_output(positions: np.ndarray, n_bands: int, first: int, stride: int) -> tuple[tuple | None, tuple | None]:
-    """How a block group's result goes out: ``positions`` (each value's place in the output) holds ``n_bands``
-    runs, one per band, of the group's blocks; in the result, the group starts at ``first`` and its bands are
-    ``stride`` apart.
+def _group_output(by_band: np.ndarray, origins: np.ndarray, alike: bool, first: int,
+                  stride: int) -> tuple[tuple | None, tuple | None]:
+    """How a block group's result goes out: ``by_band`` (each value's place in the output, a row per band, a
+    column per block of the group), ``origins`` (each block's shift from block 0), ``alike`` (whether every block
+    is laid out as block 0: then ``by_band`` is block 0's column plus ``origins``); in the result, the group
+    starts at ``first`` and its bands are ``stride`` apart.
 
     Returns (the tables of :func:`_bands_to_rows` for its blocks in whole eights, None unless each block's
     values in the output are whole rows of 8; the arguments of :func:`_move` for the other blocks, None when
     there are none). A group of 3006 blocks (334 28x28 images) goes out 3000 by transposes and 6 value by value.
     """
-    by_band = positions.reshape(n_bands, -1)
-    n_blocks = by_band.shape[1]
-    bands_at, origins = by_band[:, 0], by_band[0] - by_band[0, 0]  # where block 0's bands go; the blocks' offsets
+    n_bands, n_blocks = by_band.shape
+    bands_at = by_band[:, 0]  # where block 0's bands go
     by_place = np.argsort(bands_at)
     places = bands_at[by_place]
-    whole_rows = (n_bands % 8 == 0 and np.array_equal(by_band - bands_at[:, None], np.broadcast_to(origins, by_band.shape))
-                  and np.all(places.reshape(-1, 8) - places[::8, None] == np.arange(8)))
+    whole_rows = alike and n_bands % 8 == 0 and np.all(places.reshape(-1, 8) - places[::8, None] == np.arange(8))
     n_rows = n_blocks - n_blocks % 8 if whole_rows else 0
     rows = None
     if n_rows:
