@@ -45,7 +45,7 @@ from dctchop.location import absolute_path
 
 __all__ = ["READ_BUDGET", "keep_spans", "open_hdf5", "read_hdf5", "span_length"]
 
-_MAX_LISTED = 20  # datasets listed in a "no such dataset" message
+_MAX_LISTED = 20  # datasets listed in a message
 DCT_BLOCK = 8  # the default block: a per-sample table narrower than this has no image in it
 META_GROUP = "dctchop_meta"  # dctchop.store.META_GROUP (the store imports this package, not the reverse)
 STORE_ATTR = "dctchop"  # the root attribute a store keeps its own record under
@@ -53,6 +53,12 @@ _LEAVE_OUT = "name the datasets to compress with datasets= (--dataset) to leave 
 _MAX_LINK_DEPTH = 40  # soft links followed while resolving one name
 # what h5py raises for damaged files, unsupported types and unresolvable links
 _H5_ERRORS = (OSError, KeyError, RuntimeError, ValueError, TypeError)
+
+
+def _listed(items: list[str], separator: str) -> str:
+    """The first ``_MAX_LISTED`` of ``items``, joined, and how many more there are."""
+    more = f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return separator.join(items[:_MAX_LISTED]) + more
 
 
 def _h5py():
@@ -439,9 +445,7 @@ class _Walk:
         names = sorted([p for p, _ in self.datasets] + [p for p, _ in self.problems])
         if not names:
             return "the file holds no datasets"
-        shown = ", ".join(names[:_MAX_LISTED])
-        more = f" (and {len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
-        return f"available datasets: {shown}{more}"
+        return f"available datasets: {_listed(names, ', ')}"
 
 
 def _soft_target(group: str, written: str) -> str | None:
@@ -583,9 +587,8 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
             else:
                 (lossy if default_lossy else kept).append((path, ds))
         if refused:  # all of them: naming the first alone, the user met the others one run at a time
-            more = f" (and {len(refused) - _MAX_LISTED} more)" if len(refused) > _MAX_LISTED else ""
             leave = _LEAVE_OUT if len(refused) == 1 else _LEAVE_OUT.removesuffix("it out") + "them out"
-            raise DctchopError(f"{file}: {'; '.join(refused[:_MAX_LISTED])}{more}; {leave}")
+            raise DctchopError(f"{file}: {_listed(refused, '; ')}; {leave}")
         if chosen:
             lossy = chosen
         kept += forced
