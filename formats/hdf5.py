@@ -49,7 +49,7 @@ _MAX_LISTED = 20  # datasets listed in a message
 DCT_BLOCK = 8  # the default block: a per-sample table narrower than this has no image in it
 META_GROUP = "dctchop_meta"  # dctchop.store.META_GROUP (the store imports this package, not the reverse)
 STORE_ATTR = "dctchop"  # the root attribute a store keeps its own record under
-_LEAVE_OUT = "name the datasets to compress with datasets= (--dataset) to leave it out"
+_LEAVE_OUT = "name the datasets to compress with datasets= (--dataset) to leave {} out"
 _MAX_LINK_DEPTH = 40  # soft links followed while resolving one name
 # what h5py raises for damaged files, unsupported types and unresolvable links
 _H5_ERRORS = (OSError, KeyError, RuntimeError, ValueError, TypeError)
@@ -567,7 +567,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
         for path, attrs in walk.groups.items():
             reason = _store_name_problem(path)
             if reason and not chosen:
-                raise DctchopError(f"{file}: group {path} {reason}; {_LEAVE_OUT}")
+                raise DctchopError(f"{file}: group {path} {reason}; {_LEAVE_OUT.format('it')}")
             if reason:
                 left_out.append(path)
             else:
@@ -587,7 +587,7 @@ def open_hdf5(file: str, datasets=(), lossless=(), follow_external: bool = False
             else:
                 (lossy if default_lossy else kept).append((path, ds))
         if refused:  # all of them: naming the first alone, the user met the others one run at a time
-            leave = _LEAVE_OUT if len(refused) == 1 else _LEAVE_OUT.removesuffix("it out") + "them out"
+            leave = _LEAVE_OUT.format("it" if len(refused) == 1 else "them")
             raise DctchopError(f"{file}: {_listed(refused, '; ')}; {leave}")
         if chosen:
             lossy = chosen
