@@ -585,7 +585,8 @@ SLAB_VALUES = 1 << 18
 
 
 def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarray | None = None,
-                  channels_first: bool = False, offset: float = 0.0, parts: list[Slab] | None = None) -> np.ndarray:
+                  channels_first: bool = False, offset: float = 0.0, parts: list[Slab] | None = None,
+                  emit=None) -> np.ndarray | None:
     """Coefficients -> data one slab (:func:`dctchop.transform.slabs`) at a time, slabs shared among threads:
     a slab's values stay in cache from ``fill(first, seg_starts, seg_bands, values, to)`` (dequantized, run ``s``
     to ``values[to[s]:]``) through :func:`dctchop.transform.place` and the inverse passes, where the whole chunk's coefficients
@@ -593,9 +594,12 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
     (:func:`dctchop.transform.band_major`; single-threaded slabs only). ``channels_first``: see
     :func:`dctchop.transform.inverse`. A chunk's ``offset`` is added to each slab's output (in its dtype)
     while it is in cache. ``parts``: the slabs to decode (:func:`_needed_slabs`; default all); the rest of
-    ``out`` is left as it is."""
+    ``out`` is left as it is. ``emit``: each slab (of whole samples) decodes into a scratch array of its own
+    instead, handed to ``emit(first sample, samples)`` while in cache; single-threaded, returns None."""
     dtype = np.dtype(dtype)
-    if out is None:
+    if emit is not None:
+        threads = 1
+    elif out is None:
         shape = plan.shape
         out = np.empty(channels_first_shape(shape) if channels_first else shape, dtype)
     parts = _needed_slabs(plan) if parts is None else parts
@@ -613,9 +617,11 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
                 n = p.n_values if bands is None else bands.n_values  # padded; a triangle mask's as a square one's
                 result = np.empty(n, dtype) if bands is not None else None
                 scratch = np.empty(n, work_dtype(dtype)) if bands is not None else None  # the padded layout's size
-                buffers[p.shape] = np.empty(n, work_dtype(dtype)), image, result, scratch
-            values, image, result, scratch = buffers[p.shape]
-            target = out[part.region(channels_first)]
+                own = None if emit is None else np.empty(
+                    channels_first_shape(p.shape) if channels_first else p.shape, dtype)
+                buffers[p.shape] = np.empty(n, work_dtype(dtype)), image, result, scratch, own
+            values, image, result, scratch, own = buffers[p.shape]
+            target = out[part.region(channels_first)] if emit is None else own
             if bands is not None and target.flags.c_contiguous:
                 if bands.zeroed:
                     values[:] = 0
@@ -630,6 +636,8 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
                     target[...] = inverse(image, p, dtype, inner_threads, channels_first=channels_first)
             if offset:
                 target += dtype.type(offset)
+            if emit is not None:
+                emit(part.start, target)
 
     n_jobs = min(threads, len(parts))
     if n_jobs <= 1:
@@ -637,7 +645,7 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
     else:
         for future in [_pool(n_jobs).submit(run, parts[k::n_jobs]) for k in range(n_jobs)]:
             future.result()
-    return out
+    return out if emit is None else None
 
 
 # A read of a few samples (rows) decodes slabs this many times smaller: a random read of one 32x32 RGB image
@@ -951,6 +959,18 @@ class ChunkDecoder:
         parts = _needed_slabs(self.plan, rows)
         self._decode(parts, 1, out, False)
         return sorted({(p.start, p.stop) for p in parts})
+
+    def emit_samples(self, emit, rows, channels_first: bool = False) -> bool:
+        """Decode the slabs that hold ``rows`` (sorted samples) one at a time, each into a scratch array the
+        size of a slab, and call ``emit(start, samples)`` with its samples (``start`` onwards) while they are in
+        cache: a loader copies them into its batches, where decoding the whole chunk first would write it to
+        memory and read it back. False, decoding nothing, where the slabs cut samples into strips (samples
+        of more than a slab's values)."""
+        parts = _needed_slabs(self.plan, rows)
+        if any(p.rows is not None for p in parts):
+            return False
+        _decode_slabs(self.plan, self.dtype, 1, self._fill, None, channels_first, self.offset, parts, emit)
+        return True
 
     def _decode(self, parts: list[Slab], threads: int, out: np.ndarray | None, channels_first: bool) -> np.ndarray:
         out_shape = channels_first_shape(self.plan.shape) if channels_first else self.plan.shape

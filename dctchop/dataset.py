@@ -111,13 +111,30 @@ class _LossyArray:
         into ``out`` (an array of the chunk's shape and the array's dtype) when given and the chunk files
         are read directly. ``channels_first``: the last axis moved to axis 1 (see
         :meth:`dctchop.codec.ChunkDecoder.decode`); ``out`` then has that shape."""
-        start, stop = _chunk_bounds(index, self.chunk_len, self.shape[0])
         if not self.direct:
-            x = np.asarray(self.array[start:stop])
+            x = np.asarray(self.array[slice(*_chunk_bounds(index, self.chunk_len, self.shape[0]))])
             _check_same_store(self._root, self._identity)
             return np.ascontiguousarray(x.transpose(channels_first_axes(x.ndim))) if channels_first else x
-        return self.decoder(index).decode(out=out, channels_first=channels_first, rows=range(stop - start))[
-            : stop - start]
+        return self._valid_samples(index, self.decoder(index), out, channels_first)
+
+    def emit_or_decode(self, index: int, emit, rows: np.ndarray, out: np.ndarray | None = None,
+                       channels_first: bool = False) -> np.ndarray | None:
+        """Samples ``rows`` (sorted indices in the chunk, of samples in the array) of chunk ``index`` handed
+        to ``emit`` slab by slab as :meth:`dctchop.codec.ChunkDecoder.emit_samples` does, then None; or, where
+        its slabs cut samples into strips or the chunk files are not read directly, the chunk as
+        :meth:`decode` gives it, to take them from."""
+        if not self.direct:
+            return self.decode(index, out, channels_first)
+        decoder = self.decoder(index)
+        if decoder.emit_samples(emit, rows, channels_first):
+            return None
+        return self._valid_samples(index, decoder, out, channels_first)
+
+    def _valid_samples(self, index: int, decoder: ChunkDecoder, out: np.ndarray | None,
+                       channels_first: bool) -> np.ndarray:
+        """The samples of chunk ``index`` that are in the array (the edge chunk trimmed), decoded."""
+        start, stop = _chunk_bounds(index, self.chunk_len, self.shape[0])
+        return decoder.decode(out=out, channels_first=channels_first, rows=range(stop - start))[: stop - start]
 
     def decoder(self, index: int) -> ChunkDecoder:
         """Chunk ``index`` read, checked and ready to decode (see :class:`dctchop.codec.ChunkDecoder`)."""

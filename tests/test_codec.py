@@ -436,6 +436,55 @@ def _decode_in_child(data, shape, dtype, queue):
     queue.put(decode_chunk(data, shape, dtype, 2))
 
 
+@pytest.mark.parametrize("case", ["rgb", "rgb channels-first", "volume, axis 0 transformed", "fields"])
+def test_emitted_slabs_are_the_decoded_chunk_slab_by_slab(case, monkeypatch):
+    """emit_samples hands each slab that holds a wanted sample to ``emit`` as it decodes, from a scratch
+    array of the slab's size (reused from slab to slab): the samples are those of the whole chunk's decode,
+    bit for bit, and slabs without a wanted sample are not decoded."""
+    import dctchop.codec as codec_module
+
+    channels_first = case == "rgb channels-first"
+    if case.startswith("rgb"):
+        x = np.stack([smooth_uint8_stack(seed=c, n=21, h=16, w=12) for c in range(3)], axis=-1)
+        settings = ChunkSettings(axes=(1, 2, 3), block=(8, 8, 3), keep=(8, 8, 3), precision="int16",
+                                 target_psnr=40.0)
+        slab_values = 4 * 16 * 16 * 3  # 4 samples (their coefficients padded to whole blocks)
+    elif case == "fields":
+        x = smooth_float_field(shape=(11, 16, 8, 8)[:1] + (16 * 8, 8)).reshape(11, 16, 8, 8)
+        settings = ChunkSettings(axes=(1, 2, 3), block=(8, 8, 8), keep=(8, 8, 8), precision="int16",
+                                 target_psnr=60.0)
+        slab_values = 3 * 16 * 8 * 8
+    else:
+        x = smooth_float_field(shape=(45, 24, 16))
+        settings = ChunkSettings(axes=(0, 1, 2), block=(8, 8, 8), keep=(8, 8, 8), precision="int16",
+                                 target_psnr=60.0)
+        slab_values = 16 * 24 * 16  # two blocks of axis 0, the edge block of 5 rows in the last slab
+    data = encode_chunk(x, settings)
+    whole = decode_chunk(data, x.shape, x.dtype, channels_first=channels_first)
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", slab_values)
+    decoder = ChunkDecoder(data, x.shape, x.dtype)
+    parts = codec_module._needed_slabs(decoder.plan)
+    assert len(parts) > 2 and all(p.rows is None for p in parts)
+    emitted = []
+
+    def emit(start, samples):
+        emitted.append((start, samples.copy(), samples.ctypes.data))
+
+    assert decoder.emit_samples(emit, np.arange(len(x)), channels_first)
+    assert [s for s, _, _ in emitted] == [p.start for p in parts]
+    np.testing.assert_array_equal(np.concatenate([a for _, a, _ in emitted]), whole)
+    assert len({address for _, a, address in emitted if len(a) == len(emitted[0][1])}) == 1  # one scratch
+    emitted.clear()
+    # the second and the last slab's samples, one twice (so many that the big slabs decode, see _needed_slabs)
+    wanted = np.array([parts[1].start, *range(parts[1].start, parts[1].stop), *range(parts[-1].start, len(x))])
+    assert decoder.emit_samples(emit, wanted, channels_first)
+    assert [s for s, _, _ in emitted] == [parts[1].start, parts[-1].start]
+    for start, samples, _ in emitted:
+        np.testing.assert_array_equal(samples, whole[start : start + len(samples)])
+    monkeypatch.setattr(codec_module, "SLAB_VALUES", 100)  # samples (blocks of axis 0) cut into strips
+    assert not decoder.emit_samples(emit, np.arange(len(x)), channels_first) and len(emitted) == 2
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_decodes_with_threads_after_its_parent_did():
     """A torch DataLoader worker is a forked child: it inherited the parent's thread pool without its threads,

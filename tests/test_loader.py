@@ -427,9 +427,15 @@ def test_loader_yields_every_sample_once_as_the_view_decodes_it(image_store, dec
         assert sorted(idx.tolist()) == sorted(order[k * 50 : (k + 1) * 50].tolist())
 
 
-def test_batch_arrays_are_reused_only_once_nothing_refers_to_them(image_store):
+@pytest.mark.parametrize("slab_by_slab", [False, True])
+def test_batch_arrays_are_reused_only_once_nothing_refers_to_them(image_store, monkeypatch, slab_by_slab):
     """Batches come from a pool of arrays handed out before (faulting in fresh pages costs about a quarter of
-    the decode): one is reused only when no batch, view or tensor of it is held anywhere."""
+    the decode): one is reused only when no batch, view or tensor of it is held anywhere, also when decoded
+    slabs go straight into batches (more batches are being filled at once then)."""
+    import dctchop.loader as loader_module
+
+    if slab_by_slab:
+        monkeypatch.setattr(loader_module, "SCATTER_SAMPLE_BYTES", 0)
     loader = dctchop.Loader(image_store, batch_size=50, seed=1, arrays=["images", "index"])
     held = list(loader)
     kept = [(x.copy(), i.copy()) for x, i in held]
@@ -452,7 +458,8 @@ def test_batch_arrays_are_reused_only_once_nothing_refers_to_them(image_store):
         # addresses malloc gives back), and a few serve all 24 batches
         arrays = [ref() for ref in refs]
         assert all(a is not None for a in arrays), name
-        assert len({id(a) for a in arrays}) <= loader.prefetch + 4 < 2 * len(loader), name
+        assert len({id(a) for a in arrays}) <= (loader._recycled.size if slab_by_slab else loader.prefetch + 4), name
+        assert loader._recycled.size < 2 * len(loader)
 
 
 @pytest.mark.parametrize("dtype", [None, "float16"])  # converted while gathering; converted per chunk first
@@ -772,6 +779,111 @@ def test_scientific_fields_without_labels(field_store):
     np.testing.assert_array_equal(got, dctchop.open(field_store)[:])
     peak = data.max() - data.min()
     assert np.sqrt(np.mean((got - data) ** 2)) < peak * 1e-2
+
+
+@pytest.fixture(scope="module")
+def volume_store(tmp_path_factory):
+    """28 float32 (32, 32, 32) volumes (128 KB: over SCATTER_SAMPLE_BYTES) cut from the bundled field, in chunks
+    of 12 (three slabs of 8, 4 and, in the edge chunk, 4 samples), with each sample's index as a lossless array."""
+    d = tmp_path_factory.mktemp("volumes")
+    field = np.load(ROOT / "sample_data/field.npy")
+    with h5py.File(d / "in.h5", "w") as f:
+        f["fields"] = np.stack([np.roll(field, (5 * k, 3 * k, k), axis=(0, 1, 2))[:32, :32, :32] for k in range(28)])
+        f["index"] = np.arange(28)
+    compress(open_source(str(d / "in.h5")), d / "v.zarr", CompressOptions(chunk_samples=12))
+    return d / "v.zarr"
+
+
+def _counting_decodes(monkeypatch) -> dict:
+    """Counts whole-chunk decodes and slab-by-slab ones (by ChunkDecoder) from now on."""
+    counts = {"decode": 0, "emitted": 0, "not emitted": 0}
+    decode, emit_samples = ChunkDecoder.decode, ChunkDecoder.emit_samples
+
+    def counted_decode(self, *args, **kwargs):
+        counts["decode"] += 1
+        return decode(self, *args, **kwargs)
+
+    def counted_emit(self, *args, **kwargs):
+        done = emit_samples(self, *args, **kwargs)
+        counts["emitted" if done else "not emitted"] += 1
+        return done
+
+    monkeypatch.setattr(ChunkDecoder, "decode", counted_decode)
+    monkeypatch.setattr(ChunkDecoder, "emit_samples", counted_emit)
+    return counts
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"threads": 1, "batch_size": 3},
+    {"threads": 3, "window": 1, "prefetch": 1},
+    {"shuffle": False, "batch_size": 7},
+    {"world_size": 3, "rank": 1},  # shares of 10 from 28 samples: one sample repeated
+    {"world_size": 3, "rank": 2, "drop_last": True},
+    {"dtype": "float16"},  # converted per slab, then copied
+    {"mean": 0.5, "std": 2.0},  # converted while copied
+])
+def test_big_samples_go_from_each_slab_straight_into_their_batches(volume_store, monkeypatch, kw):
+    """Samples of 128 KB are copied into their batches slab by slab as they decode (no chunk is decoded whole
+    and gathered later): every batch holds its samples as the view decodes them, whatever the order,
+    share, dtype or normalisation."""
+    kw = {"batch_size": 5, "seed": 3, "arrays": ["fields", "index"], **kw}
+    ds = dctchop.open(volume_store)
+    reference = ds["fields"][:]
+    counts = _counting_decodes(monkeypatch)
+    loader = dctchop.Loader(volume_store, **kw)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        batches = collect(loader)
+        assert len(batches) == len(loader)
+        index = np.concatenate([i for _, i in batches])
+        for x, i in batches:
+            expected = reference[i]
+            if "mean" in kw:
+                expected = (expected - np.float32(kw["mean"])) / np.float32(kw["std"])
+                np.testing.assert_allclose(x, expected, rtol=1e-6, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(x, expected.astype(x.dtype))
+        order = loader.indices(epoch)  # all of it but, with drop_last, a last partial batch
+        assert sorted(index.tolist()) == sorted(order[: len(loader) * loader.batch_size].tolist())
+    assert counts["decode"] == counts["not emitted"] == 0 and counts["emitted"] >= 2  # a chunk or more an epoch
+
+
+@needs_torch
+def test_big_samples_fill_torch_batches(volume_store):
+    reference = dctchop.open(volume_store)["fields"]
+    for x, i in dctchop.Loader(volume_store, batch_size=6, seed=1, arrays=["fields", "index"], output="torch"):
+        assert isinstance(x, torch.Tensor) and x.is_contiguous()
+        np.testing.assert_array_equal(x.numpy(), reference[i.numpy()])
+
+
+@pytest.mark.parametrize("kw", [
+    {},  # uint8 NHWC -> float32 NCHW, decoded channels-first
+    {"dtype": None, "layout": "stored"},
+    {"dtype": "float16", "mean": 100, "std": 50, "threads": 3, "window": 2},
+    {"world_size": 7, "rank": 3, "batch_size": 9},
+])
+def test_filling_batches_slab_by_slab_gives_the_gathered_batches(image_store, monkeypatch, kw):
+    """With the sample size that picks it lowered to 0, 32x32 images fill their batches slab by slab too: the
+    same batches, bit for bit, as decoding each chunk whole and gathering; with the slabs cut smaller than
+    a sample (strips), the chunks decode whole again."""
+    import dctchop.codec as codec_module
+    import dctchop.loader as loader_module
+
+    kw = {"batch_size": 50, "seed": 5, "arrays": ["images", "labels", "index"], **kw}
+    gathered = collect(dctchop.Loader(image_store, **kw))
+    monkeypatch.setattr(loader_module, "SCATTER_SAMPLE_BYTES", 0)
+    counts = _counting_decodes(monkeypatch)
+    for slab_values, emitted in ((codec_module.SLAB_VALUES, True), (1000, False)):
+        monkeypatch.setattr(codec_module, "SLAB_VALUES", slab_values)
+        counts.update(decode=0, emitted=0)
+        filled = collect(dctchop.Loader(image_store, **kw))
+        assert len(filled) == len(gathered)
+        for got, expected in zip(filled, gathered):
+            for a, b in zip(got, expected, strict=True):
+                assert a.dtype == b.dtype and a.flags.c_contiguous
+                np.testing.assert_array_equal(a, b)
+        assert (counts["emitted"] > 0, counts["decode"] == 0) == (emitted, emitted)
 
 
 def test_breaking_out_early_stops_the_threads(image_store):
