@@ -48,6 +48,9 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from dctchop.dataset import Dataset
 from dctchop.errors import DctchopError
@@ -244,11 +247,45 @@ def _normalisation(mean, std, item_shape: tuple[int, ...], channel_axis: int | N
     return np.broadcast_to(m, (count,)).reshape(shape), np.broadcast_to(1.0 / s, (count,)).reshape(shape)
 
 
+STREAM_BYTES = 64  # what one streaming store writes: a cache line
+
+
+@intrinsic
+def _stream_line(typingctx, dst, d_at, src, s_at):
+    """``dst[d_at : d_at + 64] = src[s_at : ...]`` (uint8 arrays; ``dst + d_at`` aligned to 64 bytes) by a
+    non-temporal store: the line goes to memory without being read into the cache first, as an ordinary
+    store's would (a batch array is far bigger than the cache: its lines are not there)."""
+    def codegen(context, builder, signature, args):
+        dst_t, _, src_t, _ = signature.args
+        line = ir.VectorType(ir.IntType(8), STREAM_BYTES).as_pointer()
+        d = builder.gep(context.make_array(dst_t)(context, builder, args[0]).data, [args[1]])
+        s = builder.gep(context.make_array(src_t)(context, builder, args[2]).data, [args[3]])
+        store = builder.store(builder.load(builder.bitcast(s, line), align=1), builder.bitcast(d, line),
+                              align=STREAM_BYTES)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+        return context.get_dummy_value()
+
+    return types.void(dst, d_at, src, s_at), codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """Orders the streaming stores before whatever follows (they are weakly ordered): before a batch is
+    handed on."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 @numba.njit(nogil=True, cache=True)
 def _gather_convert(src, rows, out, dest, mean, scale, transpose, channel_in_a):  # pragma: no cover - compiled
     """``out[dest[i]] = (src[rows[i]] - mean[channel]) * scale[channel]`` over ``src`` viewed as (n, a, b),
     written as (n, b, a) when ``transpose``: gather, cast, channel move and normalisation in one pass. The
-    arithmetic is in ``mean``'s dtype (numba's promotion: uint8/int16 with float32 stays float32)."""
+    arithmetic is in ``mean``'s dtype (numba's promotion: uint8/int16 with float32 stays float32). Plain stores:
+    converting each sample in a buffer in cache and streaming it out (as :func:`_copy_rows` does) was slower on
+    32x32 images (1.69 against 1.94 GB/s on 2 threads; the same on 1), whose batches of 3 MB stay in the cache."""
     _, a_len, b_len = src.shape
     for i in range(rows.size):
         s, d = rows[i], dest[i]
@@ -266,12 +303,25 @@ def _gather_convert(src, rows, out, dest, mean, scale, transpose, channel_in_a):
 
 @numba.njit(nogil=True, cache=True)
 def _copy_rows(src, rows, out, dest):  # pragma: no cover - compiled
-    """``out[dest[i]] = src[rows[i]]`` over rows of bytes: the gather of samples already as yielded. The loop
-    over bytes is written out: as ``out[d, :] = src[s, :]`` numba copied a quarter as fast as ``np.take``."""
+    """``out[dest[i]] = src[rows[i]]`` over rows of bytes: the gather of samples already as yielded, in
+    streaming stores (:func:`_stream_line`) between each row's first and last cache-line boundary. Copying
+    128 KB rows into a 512 MB array they are 2.6x faster than plain stores (17.6-18.8 against 6.6-7.1 GB/s);
+    the loader on 32³ fields 1.13x on 1 and on 2 threads with batches of 256 (32 MB), 1.12x with batches of
+    32 (4 MB). (The loop over bytes is written out: numba's ``out[d, :] = src[s, :]`` copied at a quarter of
+    ``np.take``'s speed.)"""
     for i in range(rows.size):
         s, d = src[rows[i]], out[dest[i]]
-        for k in range(s.size):
+        n = s.size
+        head = min(n, -d.ctypes.data % STREAM_BYTES)
+        for k in range(head):
             d[k] = s[k]
+        k = head
+        while k + STREAM_BYTES <= n:
+            _stream_line(d, k, s, k)
+            k += STREAM_BYTES
+        for j in range(k, n):
+            d[j] = s[j]
+    _store_fence()
 
 
 def _byte_rows(x: np.ndarray) -> np.ndarray:
