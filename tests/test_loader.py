@@ -917,21 +917,23 @@ def test_breaking_out_early_stops_the_threads(image_store):
     assert not any(t.name.startswith(("dctchop-loader", "dctchop-batch")) for t in threading.enumerate())
 
 
-def test_a_damaged_chunk_is_reported_by_name(image_store, tmp_path):
+@pytest.mark.parametrize("which, name, index", [("image_store", "images", 3), ("volume_store", "fields", 1)])
+def test_a_damaged_chunk_is_reported_by_name(which, name, index, tmp_path, request):
+    """Also where slabs go straight into the batches (the volumes)."""
     import shutil
 
     store = tmp_path / "damaged.zarr"
-    shutil.copytree(image_store, store)
-    chunk = store / "images/c.3.0.0.0"
+    shutil.copytree(request.getfixturevalue(which), store)
+    chunk = store / f"{name}/c.{index}.0.0.0"
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    with pytest.raises(CorruptChunkError, match=r"^array images: chunk 3 \(.*crc32c checksum mismatch"):  # said once
-        for _ in dctchop.Loader(store, batch_size=100, shuffle=False):
+    with pytest.raises(CorruptChunkError, match=rf"^array {name}: chunk {index} \(.*crc32c checksum mismatch"):
+        for _ in dctchop.Loader(store, batch_size=10, shuffle=False, arrays=[name]):  # the error said once
             pass
     chunk.unlink()
-    with pytest.raises(DctchopError, match="chunk 3 is missing"):
-        dctchop.open(store)[200]
+    with pytest.raises(DctchopError, match=f"chunk {index} is missing"):
+        dctchop.open(store)[name][dctchop.open(store)[name].chunk_len * index]
 
 
 def test_a_chunk_file_swapped_for_another_is_refused(image_store, tmp_path):
