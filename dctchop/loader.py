@@ -594,9 +594,11 @@ class Loader:
         if self.device_decode and not all(v._reader.direct for v, s in zip(self._views, self.specs) if s.lossy):
             raise DctchopError("device decode needs arrays stored as dctchop chunk files; pass device_decode=False")
         self.epoch = 0
-        # batches alive at once: those queued and being consumed, and those that slabs decoded ahead went into
+        # batches alive at once: those queued and being consumed, and, where slabs go straight into batches,
+        # those that the slabs of chunks decoded ahead went into
         ahead = max(self.window, self.threads) + self.window
-        self._recycled = _RecycledArrays(self.prefetch + 4 + -(-ahead * self.dataset.chunk_len // self.batch_size))
+        filled_ahead = -(-ahead * self.dataset.chunk_len // self.batch_size) if any(self._scatter) else 0
+        self._recycled = _RecycledArrays(self.prefetch + 4 + filled_ahead)
         # decoded chunks alive at once: the window ahead, those being decoded, those the queued batches need
         self._chunk_buffers = _RecycledArrays(max(self.window, self.threads) + self.threads + self.prefetch + 2)
 
