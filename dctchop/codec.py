@@ -595,11 +595,9 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
     :func:`dctchop.transform.inverse`. A chunk's ``offset`` is added to each slab's output (in its dtype)
     while it is in cache. ``parts``: the slabs to decode (:func:`_needed_slabs`; default all); the rest of
     ``out`` is left as it is. ``emit``: each slab (of whole samples) decodes into a scratch array of its own
-    instead, handed to ``emit(first sample, samples)`` while in cache; single-threaded, returns None."""
+    instead, handed to ``emit(first sample, samples)`` while in cache; returns None."""
     dtype = np.dtype(dtype)
-    if emit is not None:
-        threads = 1
-    elif out is None:
+    if out is None and emit is None:
         shape = plan.shape
         out = np.empty(channels_first_shape(shape) if channels_first else shape, dtype)
     parts = _needed_slabs(plan) if parts is None else parts
