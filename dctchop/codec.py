@@ -68,6 +68,7 @@ import asyncio
 import math
 import numbers
 import struct
+import threading
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
@@ -583,6 +584,26 @@ def _values_fill(values: np.ndarray, steps: np.ndarray):
 # unpack and the move spread over runs twice as long) and 32³ fields as fast; 512K is slower on fields.
 SLAB_VALUES = 1 << 18
 
+# A slab's work arrays up to this size are kept by each thread for its next slabs: fresh ones were fresh pages
+# wherever glibc had handed the freed ones back to the kernel (reading a store of 32³ float32 fields whole,
+# `ds[:]`: 37K → 34K page faults, 0.56-0.61 → 0.62-0.63 GB/s; some loader processes faulted 33K pages an epoch).
+SCRATCH_KEPT_BYTES = 4 << 20
+_kept_scratch = threading.local()
+
+
+def _scratch(role: str, shape, dtype) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` with undefined contents for ``role`` in this thread's decode of a
+    slab: a view of the one the thread used for that role before where it fits (the caller overwrites what it
+    reads and lets go of it before its next slab)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > SCRATCH_KEPT_BYTES:
+        return np.empty(shape, dtype)
+    kept = _kept_scratch.__dict__.setdefault("arrays", {})
+    if role not in kept or kept[role].size < nbytes:
+        kept[role] = np.empty(nbytes, np.uint8)
+    return kept[role][:nbytes].view(dtype).reshape(shape)
+
 
 def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarray | None = None,
                   channels_first: bool = False, offset: float = 0.0, parts: list[Slab] | None = None,
@@ -594,8 +615,8 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
     (:func:`dctchop.transform.band_major`; single-threaded slabs only). ``channels_first``: see
     :func:`dctchop.transform.inverse`. A chunk's ``offset`` is added to each slab's output (in its dtype)
     while it is in cache. ``parts``: the slabs to decode (:func:`_needed_slabs`; default all); the rest of
-    ``out`` is left as it is. ``emit``: each slab (of whole samples) decodes into a scratch array of its own
-    instead, handed to ``emit(first sample, samples)`` while in cache; returns None."""
+    ``out`` is left as it is. ``emit``: each slab (of whole samples) decodes into a scratch array instead,
+    handed to ``emit(first sample, samples)`` while in cache (and used again after it returns); returns None."""
     dtype = np.dtype(dtype)
     if out is None and emit is None:
         shape = plan.shape
@@ -605,27 +626,23 @@ def _decode_slabs(plan: TransformPlan, dtype, threads: int, fill, out: np.ndarra
     seg_bands = plan.runs.seg_bands
 
     def run(part_list) -> None:
-        buffers = {}
+        work = work_dtype(dtype)
         for part in part_list:
             p = part.plan
             bands = band_major(p, dtype, channels_first) if inner_threads == 1 else None
-            if p.shape not in buffers:  # positions the mask drops stay zero in the image; the others are all written
-                full = p.n_values == math.prod(p.coefficient_shape)
-                image = (np.empty if full else np.zeros)(p.coefficient_shape, work_dtype(dtype))
-                n = p.n_values if bands is None else bands.n_values  # padded; a triangle mask's as a square one's
-                result = np.empty(n, dtype) if bands is not None else None
-                scratch = np.empty(n, work_dtype(dtype)) if bands is not None else None  # the padded layout's size
-                own = None if emit is None else np.empty(
-                    channels_first_shape(p.shape) if channels_first else p.shape, dtype)
-                buffers[p.shape] = np.empty(n, work_dtype(dtype)), image, result, scratch, own
-            values, image, result, scratch, own = buffers[p.shape]
-            target = out[part.region(channels_first)] if emit is None else own
+            target = out[part.region(channels_first)] if emit is None else _scratch(
+                "samples", channels_first_shape(p.shape) if channels_first else p.shape, dtype)
             if bands is not None and target.flags.c_contiguous:
+                values = _scratch("values", (bands.n_values,), work)  # padded; a triangle mask's as a square one's
                 if bands.zeroed:
                     values[:] = 0
                 fill(part.first, part.seg_starts, seg_bands, values, bands.run_places(p, part.seg_starts))
-                inverse_band_major(values, scratch, result, bands, target)
+                inverse_band_major(values, _scratch("passes", (bands.n_values,), work),
+                                   _scratch("result", (bands.n_values,), dtype), bands, target)
             else:
+                values, image = _scratch("values", (p.n_values,), work), _scratch("image", p.coefficient_shape, work)
+                if p.n_values != image.size:  # positions the mask drops are zeros; place writes the others
+                    image[...] = 0
                 fill(part.first, part.seg_starts, seg_bands, values, part.seg_starts)
                 place(values, p, image.reshape(-1))
                 if target.flags.c_contiguous:

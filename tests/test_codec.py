@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -434,6 +435,32 @@ def test_a_transformed_axis_0_is_cut_into_strips(shape, threads, monkeypatch):
 
 def _decode_in_child(data, shape, dtype, queue):
     queue.put(decode_chunk(data, shape, dtype, 2))
+
+
+def _decoded_in_a_new_thread(data: bytes, shape, dtype) -> np.ndarray:
+    """decode_chunk in a thread of its own: with none of the scratch arrays another decode left."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(decode_chunk, data, shape, dtype).result()
+
+
+def test_scratch_kept_between_decodes_carries_nothing_over():
+    """Each thread keeps its slabs' work arrays for its next decode: a chunk of another mask, chop or dtype
+    decoded after others (whose values are left in those arrays) must come out as in a fresh thread."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(64, 16, 16)).astype(np.float32) * 40 + 100
+    chunks = [
+        (x, ChunkSettings((1, 2), (8, 8), (8, 8), precision="int16", step=0.5)),  # band-major
+        (x, ChunkSettings((1, 2), (8, 8), (8, 8), "triangle", precision="int16", step=0.5)),  # zeroed rows
+        (x, ChunkSettings((1, 2), (8, 8), (3, 5))),  # chop: the coefficient image, mostly zeros
+        (x, ChunkSettings((1, 2), (8, 8), (8, 8))),  # chop keeping all: the image, all written
+        (x, ChunkSettings((1, 2), (8, 8), (6, 2), "triangle")),
+        (np.clip(x, 0, 255).astype(np.uint8), ChunkSettings((1, 2), (8, 8), (8, 8), precision="int8", step=4.0)),
+    ]
+    encoded = [(encode_chunk(data, s), data.shape, data.dtype) for data, s in chunks]
+    fresh = [_decoded_in_a_new_thread(*e) for e in encoded]
+    for order in (range(len(encoded)), reversed(range(len(encoded)))):
+        for k in order:
+            np.testing.assert_array_equal(decode_chunk(*encoded[k]), fresh[k])
 
 
 @pytest.mark.parametrize("case", ["rgb", "rgb channels-first", "volume, axis 0 transformed", "fields"])
