@@ -788,14 +788,14 @@ def test_rows_copied_in_streaming_stores_are_the_rows(row_bytes, misaligned):
     """The copy into batches streams whole cache lines and stores the bytes before the first line boundary
     and after the last one plainly: every byte lands, wherever the destination starts, and nothing else is
     written."""
-    from dctchop.loader import _copy_rows
+    from dctchop.loader import _copy_rows, _row_addresses
 
     rng = np.random.default_rng(row_bytes)
     src = rng.integers(0, 256, (9, row_bytes), dtype=np.uint8)
     memory = np.zeros(12 * row_bytes + 64 + misaligned, np.uint8)
     out = memory[64 - memory.ctypes.data % 64 + misaligned :][: 11 * row_bytes].reshape(11, row_bytes)
     rows, dest = np.array([3, 0, 8, 3, 5]), np.array([10, 2, 0, 4, 5])
-    _copy_rows(src, rows, out, dest)
+    _copy_rows(src, rows, _row_addresses(out, dest))
     expected = np.zeros_like(out)
     expected[dest] = src[rows]
     np.testing.assert_array_equal(out, expected)
