@@ -862,12 +862,19 @@ def read_expected_header(data: bytes | memoryview, shape: tuple[int, ...], dtype
     return header
 
 
+@lru_cache(maxsize=64)
+def _header_plan(shape, axes, block, keep, mask) -> TransformPlan:
+    """:func:`dctchop.transform.make_plan` of a header's settings (tuples of ints), checked once per setting:
+    readers check every chunk of an array, which share a few."""
+    return make_plan(shape, axes, block, keep, mask)
+
+
 def _checked(data: bytes | memoryview, shape: tuple[int, ...], dtype) -> tuple[ChunkHeader, TransformPlan,
                                                                           np.ndarray, memoryview]:
     """(header, plan, steps, payload) of a chunk that must hold an array of ``shape`` and ``dtype``."""
     header = read_expected_header(data, shape, dtype)
     try:
-        plan = make_plan(header.shape, header.axes, header.block, header.keep, header.mask)
+        plan = _header_plan(header.shape, header.axes, header.block, header.keep, header.mask)
     except DctchopError as e:
         raise CorruptChunkError(f"bad transform settings in chunk header: {e}") from None
     if header.axes != plan.axes:

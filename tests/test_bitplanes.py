@@ -82,13 +82,30 @@ def test_wrong_size_is_corrupt(cut):
 def test_decoding_takes_no_lock_shared_by_every_chunk():
     """Every chunk decode reads ``Planes.largest_levels``. As a functools.cached_property it took one lock held
     by all instances while computing (before Python 3.12): decode threads queued on it, and a process forked
-    meanwhile (a DataLoader worker beside a loader's threads) inherited it held and hung at its first decode."""
-    import functools
-    import inspect
+    meanwhile (a DataLoader worker beside a loader's threads) inherited it held and hung at its first decode.
+    It is worked out with the plane offsets, when the payload is checked."""
+    import dataclasses
 
     from dctchop.bitplanes import Planes
 
-    assert not isinstance(inspect.getattr_static(Planes, "largest_levels"), functools.cached_property)
+    assert "largest_levels" in {f.name for f in dataclasses.fields(Planes)}
     planes = check_planes(to_planes(np.array([0, 5, -3, 0, 0, 0, 0, 0, 1], np.int16), np.array([0, 3, 9])),
                           np.array([0, 3, 9]), np.int16)
     np.testing.assert_array_equal(planes.largest_levels, [8.0, 2.0])  # zigzag 10 -> plane 3; 2 -> plane 1
+    empty = check_planes(to_planes(np.zeros(9, np.int8), np.array([0, 9])), np.array([0, 9]), np.int8)
+    np.testing.assert_array_equal(empty.largest_levels, [0.0])
+
+
+def test_plane_layout_counts_each_masks_planes():
+    """Every int16 mask: its run's planes take one row of its groups of 8 per set bit, and its bound is 2^p for
+    its top set plane p (0 without one), as the masks' definition says."""
+    from dctchop.bitplanes import _plane_layout
+
+    masks = np.arange(1 << 16, dtype=np.uint64)
+    seg_starts = np.arange(masks.size + 1) * 13  # runs of 13 values: 2 groups
+    offsets, largest = np.empty(masks.size + 1, np.int64), np.empty(masks.size)
+    _plane_layout(masks, seg_starts, offsets, largest)
+    set_bits = np.array([int(m).bit_count() for m in masks])
+    np.testing.assert_array_equal(np.diff(offsets), 2 * set_bits)
+    assert offsets[0] == 0
+    np.testing.assert_array_equal(largest, [2.0 ** (int(m).bit_length() - 1) if m else 0.0 for m in masks])
