@@ -234,7 +234,8 @@ class Location:
         """The bytes of one file; FileNotFoundError when it is missing."""
         if self.is_url:
             return self._fs[0].cat_file(self._key_path(key))
-        return Path(self._key_path(key)).read_bytes()
+        with open(self._key_path(key), "rb", buffering=0) as f:  # no pathlib, no buffer: read once per chunk
+            return f.readall()
 
     def size(self, key: str = "") -> int:
         """Bytes of every file at or below ``key`` (0 when there is none). Locally, a directory that cannot be
