@@ -1,6 +1,6 @@
 """The inverse transform of 8x8 blocks (grey, and RGB with its colour DCT), of the 8x4, 4x8 and 4x4 edge blocks
-of grey images 4 past a multiple of 8 (28x28) and of 8x8x8 blocks (volumes), sixteen blocks at a time as LLVM
-vectors: the kernels of the band-major decode of :mod:`dctchop.transform` for those blocks.
+of grey images 4 past a multiple of 8 (28x28) and of 8x8x8 blocks (volumes), sixteen blocks at a time (volumes
+eight) as LLVM vectors: the kernels of the band-major decode of :mod:`dctchop.transform` for those blocks.
 
 Why. numba's loops reach SIMD only through LLVM's loop vectoriser, which must guard every loop with run-time
 checks that its arrays do not overlap (numba cannot say they do not). A loop that computes all eight outputs
@@ -39,6 +39,7 @@ from dctchop.jit import numba
 from dctchop.transform import dct_matrix
 
 LANES = 16  # blocks per step: one 512-bit vector of float32 (two 256-bit ones without AVX-512)
+CUBE_LANES = 8  # for 8x8x8 blocks, whose step's stage buffer then fits in L1 (see _cube_step)
 DCT8 = dct_matrix(8).astype(np.float32)  # the matrices of the passes, as the numba kernels get them
 DCT4 = dct_matrix(4).astype(np.float32)
 COLOUR3 = dct_matrix(3).astype(np.float32)
@@ -52,7 +53,7 @@ def padded_stride(n_blocks: int) -> int:
 
 def _splat(vector, x) -> ir.Constant:
     """``x`` in every lane of ``vector``."""
-    return ir.Constant(vector, [float(x)] * LANES)
+    return ir.Constant(vector, [float(x)] * vector.count)
 
 
 def _block_program(builder, vector, dims, passes, load, store):
@@ -101,14 +102,14 @@ def _block_program(builder, vector, dims, passes, load, store):
 
 def _rounded_bytes(builder, module, vector, v):
     """float32 lanes to uint8 as :func:`dctchop.transform._store` rounds them: half up, clipped to 0 .. 255."""
-    floor = cgutils.get_or_insert_function(module, ir.FunctionType(vector, [vector]), f"llvm.floor.v{LANES}f32")
+    floor = cgutils.get_or_insert_function(module, ir.FunctionType(vector, [vector]), f"llvm.floor.v{vector.count}f32")
     half, one, lo, hi = (_splat(vector, x) for x in (0.5, 1.0, 0.0, 255.0))
     down = builder.call(floor, [v])
     up = builder.fcmp_ordered(">=", builder.fsub(v, down), half)
     down = builder.select(up, builder.fadd(down, one), down)
     down = builder.select(builder.fcmp_ordered("<", down, lo), lo,
                           builder.select(builder.fcmp_ordered(">", down, hi), hi, down))
-    return builder.fptoui(down, ir.VectorType(ir.IntType(8), LANES))
+    return builder.fptoui(down, ir.VectorType(ir.IntType(8), vector.count))
 
 
 def _internal_function(module, name: str, arg_types) -> tuple[ir.Function, bool]:
@@ -120,11 +121,11 @@ def _internal_function(module, name: str, arg_types) -> tuple[ir.Function, bool]
     return fn, True
 
 
-def _step_function(module, name: str, dims, passes, out_type):
-    """``void name(float* src, i64 src_stride, out* dst, i64 dst_stride)``: one step of blocks, the first one's
-    band ``q`` at ``src[q * src_stride]`` (strides in elements), defined once per LLVM module."""
+def _step_function(module, name: str, dims, passes, out_type, lanes: int = LANES):
+    """``void name(float* src, i64 src_stride, out* dst, i64 dst_stride)``: one step of ``lanes`` blocks, the first
+    one's band ``q`` at ``src[q * src_stride]`` (strides in elements), defined once per LLVM module."""
     f32, i64 = ir.FloatType(), ir.IntType(64)
-    vector = ir.VectorType(f32, LANES)
+    vector = ir.VectorType(f32, lanes)
     fn, new = _internal_function(module, name, [f32.as_pointer(), i64, out_type.as_pointer(), i64])
     if not new:
         return fn
@@ -163,11 +164,11 @@ def _copy_columns(builder, n_rows: int, count, source, target) -> None:
         builder.store(builder.load(builder.gep(src, [at(src_stride, s0)])), builder.gep(dst, [at(dst_stride, d0)]))
 
 
-def _blocks_kernel(n_bands: int, emit_step, scratch_vectors: int = 0):
+def _blocks_kernel(n_bands: int, emit_step, scratch_vectors: int = 0, lanes: int = LANES):
     """An intrinsic ``kernel(src, dst, n_blocks)`` that decodes blocks ``0 .. n_blocks`` of 2-D ``src`` (``n_bands``
-    rows) into ``dst`` (uint8 or float32): whole steps in place, the last few blocks through zero-padded copies
-    on the stack. ``emit_step(builder, out_type, src, src_stride, dst, dst_stride, scratch)`` emits one step
-    (``scratch``: ``scratch_vectors`` vectors on the stack, or None)."""
+    rows) into ``dst`` (uint8 or float32): whole steps of ``lanes`` blocks in place, the last few blocks through
+    zero-padded copies on the stack. ``emit_step(builder, out_type, src, src_stride, dst, dst_stride, scratch)``
+    emits one step (``scratch``: ``scratch_vectors`` vectors on the stack, or None)."""
 
     @intrinsic
     def kernel(typingctx, src, dst, n_blocks):
@@ -178,18 +179,18 @@ def _blocks_kernel(n_bands: int, emit_step, scratch_vectors: int = 0):
             src_t, dst_t, n_t = signature.args
             f32, i64 = ir.FloatType(), ir.IntType(64)
             out_type = context.get_data_type(dst_t.dtype)
-            src_a, src_stride, whole, rest = _steps(context, builder, src_t, args[0], n_t, args[2])
+            src_a, src_stride, whole, rest = _steps(context, builder, src_t, args[0], n_t, args[2], lanes)
             dst_a = context.make_array(dst_t)(context, builder, args[1])
             dst_stride = builder.sdiv(builder.extract_value(dst_a.strides, 0), i64(dst_t.dtype.bitwidth // 8))
-            scratch = cgutils.alloca_once(builder, f32, size=scratch_vectors * LANES) if scratch_vectors else None
-            with cgutils.for_range_slice(builder, i64(0), whole, i64(LANES)) as (b, _):
+            scratch = cgutils.alloca_once(builder, f32, size=scratch_vectors * lanes) if scratch_vectors else None
+            with cgutils.for_range_slice(builder, i64(0), whole, i64(lanes)) as (b, _):
                 emit_step(builder, out_type, builder.gep(src_a.data, [b]), src_stride, builder.gep(dst_a.data, [b]),
                           dst_stride, scratch)
             with builder.if_then(builder.icmp_signed(">", rest, i64(0))):
-                pad_in = _padded_rest(builder, n_bands, src_a, src_stride, whole, rest)
-                pad_out = cgutils.alloca_once(builder, out_type, size=n_bands * LANES)
-                emit_step(builder, out_type, pad_in, i64(LANES), pad_out, i64(LANES), scratch)
-                _copy_columns(builder, n_bands, rest, (pad_out, i64(LANES), i64(0)), (dst_a.data, dst_stride, whole))
+                pad_in = _padded_rest(builder, n_bands, src_a, src_stride, whole, rest, lanes)
+                pad_out = cgutils.alloca_once(builder, out_type, size=n_bands * lanes)
+                emit_step(builder, out_type, pad_in, i64(lanes), pad_out, i64(lanes), scratch)
+                _copy_columns(builder, n_bands, rest, (pad_out, i64(lanes), i64(0)), (dst_a.data, dst_stride, whole))
             return context.get_dummy_value()
 
         return types.void(src, dst, n_blocks), codegen
@@ -208,10 +209,11 @@ def _program_into_bands(name: str, dims, passes):
 
 
 # Blocks of 8x8x8 (volumes). A whole block's 512 values do not fit in registers (a program of the whole block,
-# as above, ran 1.1-1.4x slower than the numba kernel it was meant to replace, spilling), so a step of LANES
+# as above, ran 1.1-1.4x slower than the numba kernel it was meant to replace, spilling), so a step of CUBE_LANES
 # blocks goes through two buffers on the stack: the passes over X and Y plane by plane (the grey program) into
-# ``stage`` (512 vectors, 32 KB, in L1), then the pass over Z column by column, one row of Y at a time, into
-# ``rows`` (64 vectors), which goes out either as band-major rows (:func:`inverse_cube8`) or, where each block's
+# ``stage`` (512 vectors: 16 KB of 8 lanes; with LANES' 16 it took 32 KB of a Sapphire Rapids core's 48 KB L1
+# beside the lines streaming in and out, and a 32³ float32 field chunk decoded 1.13x slower), then the pass over
+# Z column by column, one row of Y at a time, into ``rows`` (64 vectors), which goes out either as band-major rows (:func:`inverse_cube8`) or, where each block's
 # samples are rows of 8 in the output, transposed straight into the output (:func:`inverse_cube8_rows`), with no
 # band-major result to transpose after. 512-block slabs of 32³ float32 fields: 0.93-1.1 ns a value for that
 # against 1.8-2.2 for the numba kernel and :func:`dctchop.transform._bands_to_rows`; uint8 0.6 against 1.3-1.9.
@@ -222,21 +224,21 @@ CUBE_BANDS = 512
 
 
 def _cube_step(builder, src, src_stride, stage, rows, put_rows) -> None:
-    """Emit one step of 8x8x8 blocks (band ``q`` of the step's first block at ``src[q * src_stride]``): X and Y,
-    then Z a row of Y at a time, ``put_rows(y)`` emitting what becomes of ``rows`` (vectors ``(z, x)``) for row
-    ``y``."""
-    f32, i64 = ir.FloatType(), ir.IntType(64)
+    """Emit one step of CUBE_LANES 8x8x8 blocks (band ``q`` of the step's first block at ``src[q * src_stride]``):
+    X and Y, then Z a row of Y at a time, ``put_rows(y)`` emitting what becomes of ``rows`` (vectors ``(z, x)``)
+    for row ``y``."""
+    f32, i64, lanes = ir.FloatType(), ir.IntType(64), CUBE_LANES
     module = builder.module
-    plane = _step_function(module, "dctchop_inverse8_cube_plane", (8, 8), ((1, DCT8), (0, DCT8)), f32)
-    column = _step_function(module, "dctchop_inverse8_cube_column", (8,), ((0, DCT8),), f32)
+    plane = _step_function(module, "dctchop_inverse8_cube_plane", (8, 8), ((1, DCT8), (0, DCT8)), f32, lanes)
+    column = _step_function(module, "dctchop_inverse8_cube_column", (8,), ((0, DCT8),), f32, lanes)
     plane_stride = builder.mul(src_stride, i64(64))
     with cgutils.for_range(builder, i64(8)) as z:
         builder.call(plane, [builder.gep(src, [builder.mul(z.index, plane_stride)]), src_stride,
-                             builder.gep(stage, [builder.mul(z.index, i64(64 * LANES))]), i64(LANES)])
+                             builder.gep(stage, [builder.mul(z.index, i64(64 * lanes))]), i64(lanes)])
     with cgutils.for_range(builder, i64(8)) as y:
         for x in range(8):
-            builder.call(column, [builder.gep(stage, [builder.add(builder.mul(y.index, i64(8 * LANES)), i64(x * LANES))]),
-                                  i64(64 * LANES), builder.gep(rows, [i64(x * LANES)]), i64(8 * LANES)])
+            builder.call(column, [builder.gep(stage, [builder.add(builder.mul(y.index, i64(8 * lanes)), i64(x * lanes))]),
+                                  i64(64 * lanes), builder.gep(rows, [i64(x * lanes)]), i64(8 * lanes)])
         put_rows(y.index)
 
 
@@ -254,8 +256,8 @@ def _program_into_rows(name: str, dims, passes):
 
 
 def _band_rows_function(module, out_type) -> ir.Function:
-    """``void f(float* rows, out* dst, i64 dst_stride, i64 y)``: ``rows`` (z, x) of row ``y`` as bands
-    ``(z, y, x)`` of ``dst`` (band ``q`` at ``dst[q * dst_stride]``), rounded to bytes for uint8."""
+    """``void f(float* rows, out* dst, i64 dst_stride, i64 y)``: ``rows`` (z, x) of row ``y`` of a step of cubes as
+    bands ``(z, y, x)`` of ``dst`` (band ``q`` at ``dst[q * dst_stride]``), rounded to bytes for uint8."""
     f32, i64 = ir.FloatType(), ir.IntType(64)
     fn, new = _internal_function(module, f"dctchop_inverse8_cube_bands_{out_type}",
                                  [f32.as_pointer(), out_type.as_pointer(), i64, i64])
@@ -263,10 +265,11 @@ def _band_rows_function(module, out_type) -> ir.Function:
         return fn
     builder = ir.IRBuilder(fn.append_basic_block())
     rows, dst, dst_stride, y = fn.args
-    vector, is_bytes = ir.VectorType(f32, LANES), out_type == ir.IntType(8)
+    vector, is_bytes = ir.VectorType(f32, CUBE_LANES), out_type == ir.IntType(8)
     for z in range(8):
         for x in range(8):
-            v = builder.load(builder.bitcast(builder.gep(rows, [i64((8 * z + x) * LANES)]), vector.as_pointer()), align=4)
+            v = builder.load(builder.bitcast(builder.gep(rows, [i64((8 * z + x) * CUBE_LANES)]), vector.as_pointer()),
+                             align=4)
             if is_bytes:
                 v = _rounded_bytes(builder, module, vector, v)
             band = builder.add(builder.mul(y, i64(8)), i64(64 * z + x))
@@ -276,27 +279,28 @@ def _band_rows_function(module, out_type) -> ir.Function:
     return fn
 
 
-def _output_rows_function(module, out_type, partial: bool, layout: str, row_vectors, offset_step: int) -> ir.Function:
-    """``void f(float* rows, out* image, i64* origins, i64* offsets[, i64 count])``: row ``r`` of each block, the
-    vectors ``row_vectors[r]`` of ``rows`` (8 or 4), stored at ``image[origins[b] + offsets[offset_step * r]]``;
-    ``partial``: only blocks ``b < count``. Each row's vectors are transposed (LANES rows of 8 or 4) with one
-    shuffle. ``layout`` names the ``row_vectors`` in the function's name."""
+def _output_rows_function(module, out_type, partial: bool, layout: str, row_vectors, offset_step: int,
+                          lanes: int) -> ir.Function:
+    """``void f(float* rows, out* image, i64* origins, i64* offsets[, i64 count])``: row ``r`` of each of ``lanes``
+    blocks, the vectors ``row_vectors[r]`` of ``rows`` (8 or 4), stored at ``image[origins[b] + offsets[offset_step
+    * r]]``; ``partial``: only blocks ``b < count``. Each row's vectors are transposed (``lanes`` rows of 8 or 4)
+    with one shuffle. ``layout`` names the ``row_vectors`` in the function's name."""
     f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
-    name = f"dctchop_inverse8_rows_out_{layout}_{out_type}_{'partial' if partial else 'whole'}"
+    name = f"dctchop_inverse8_rows_out_{layout}_{out_type}_{lanes}_{'partial' if partial else 'whole'}"
     fn, new = _internal_function(module, name, [f32.as_pointer(), out_type.as_pointer(), i64.as_pointer(),
                                                 i64.as_pointer()] + [i64] * partial)
     if not new:
         return fn
     builder = ir.IRBuilder(fn.append_basic_block())
     rows, image, origins, offsets, *count = fn.args
-    vector, is_bytes = ir.VectorType(f32, LANES), out_type == ir.IntType(8)
+    vector, is_bytes = ir.VectorType(f32, lanes), out_type == ir.IntType(8)
     for r, vectors in enumerate(row_vectors):
         length = len(vectors)
-        to_blocks = ir.Constant(ir.VectorType(i32, length * LANES),
-                                [LANES * (p % length) + p // length for p in range(length * LANES)])
+        to_blocks = ir.Constant(ir.VectorType(i32, length * lanes),
+                                [lanes * (p % length) + p // length for p in range(length * lanes)])
         parts = []
         for q in vectors:
-            v = builder.load(builder.bitcast(builder.gep(rows, [i64(int(q) * LANES)]), vector.as_pointer()), align=4)
+            v = builder.load(builder.bitcast(builder.gep(rows, [i64(int(q) * lanes)]), vector.as_pointer()), align=4)
             parts.append(_rounded_bytes(builder, module, vector, v) if is_bytes else v)
         while len(parts) > 1:  # concatenated in the row's order
             n = parts[0].type.count
@@ -304,7 +308,7 @@ def _output_rows_function(module, out_type, partial: bool, layout: str, row_vect
                      for a, b in zip(parts[::2], parts[1::2])]
         by_block = builder.shuffle_vector(parts[0], parts[0], to_blocks)
         offset = builder.load(builder.gep(offsets, [i64(offset_step * r)]))
-        for b in range(LANES):
+        for b in range(lanes):
             held = builder.if_then(builder.icmp_signed("<", i64(b), count[0])) if partial else contextlib.nullcontext()
             with held:
                 row = builder.shuffle_vector(by_block, by_block, ir.Constant(ir.VectorType(i32, length),
@@ -316,22 +320,22 @@ def _output_rows_function(module, out_type, partial: bool, layout: str, row_vect
     return fn
 
 
-def _steps(context, builder, src_t, src, n_t, n):
-    """(the ``src`` array, its row stride in elements, the blocks in whole steps, the rest)."""
+def _steps(context, builder, src_t, src, n_t, n, lanes: int):
+    """(the ``src`` array, its row stride in elements, the blocks in whole steps of ``lanes``, the rest)."""
     i64 = ir.IntType(64)
     src_a = context.make_array(src_t)(context, builder, src)
     src_stride = builder.sdiv(builder.extract_value(src_a.strides, 0), i64(4))
     n = context.cast(builder, n, n_t, types.int64)
-    whole = builder.sub(n, builder.srem(n, i64(LANES)))
+    whole = builder.sub(n, builder.srem(n, i64(lanes)))
     return src_a, src_stride, whole, builder.sub(n, whole)
 
 
-def _padded_rest(builder, n_bands: int, src_a, src_stride, whole, rest):
-    """The bands of the ``rest`` blocks from ``whole`` on, copied to a zero-padded step on the stack."""
+def _padded_rest(builder, n_bands: int, src_a, src_stride, whole, rest, lanes: int):
+    """The bands of the ``rest`` blocks from ``whole`` on, copied to a zero-padded step of ``lanes`` on the stack."""
     f32, i64 = ir.FloatType(), ir.IntType(64)
-    pad_in = cgutils.alloca_once(builder, f32, size=n_bands * LANES)
-    cgutils.memset(builder, pad_in, i64(4 * n_bands * LANES), 0)
-    _copy_columns(builder, n_bands, rest, (src_a.data, src_stride, whole), (pad_in, i64(LANES), i64(0)))
+    pad_in = cgutils.alloca_once(builder, f32, size=n_bands * lanes)
+    cgutils.memset(builder, pad_in, i64(4 * n_bands * lanes), 0)
+    _copy_columns(builder, n_bands, rest, (src_a.data, src_stride, whole), (pad_in, i64(lanes), i64(0)))
     return pad_in
 
 
@@ -344,13 +348,14 @@ def _cube_into_bands(builder, out_type, src, src_stride, dst, dst_stride, scratc
     """``emit_step`` for :func:`_blocks_kernel` of 8x8x8 blocks (:func:`_cube_step`, its ``stage`` and ``rows``
     in ``scratch``), each row of Y's ``rows`` out as bands (:func:`_band_rows_function`)."""
     bands = _band_rows_function(builder.module, out_type)
-    rows = builder.gep(scratch, [ir.IntType(64)(CUBE_BANDS * LANES)])
+    rows = builder.gep(scratch, [ir.IntType(64)(CUBE_BANDS * CUBE_LANES)])
     _cube_step(builder, src, src_stride, scratch, rows, lambda y: builder.call(bands, [rows, dst, dst_stride, y]))
 
 
-def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, row_vectors, offset_step: int = 1):
+def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, row_vectors, offset_step: int = 1,
+                        lanes: int = LANES):
     """An intrinsic ``kernel(src, image, n_blocks, origins, offsets)`` that decodes blocks ``0 .. n_blocks`` of
-    band-major ``src`` straight into the flat ``image``: a block's row ``r`` of 8 (or 4) values at
+    band-major ``src`` (``lanes`` a step) straight into the flat ``image``: a block's row ``r`` of 8 (or 4) values at
     ``image[origins[b] + offsets[r]]``. ``emit_step(builder, src, src_stride, stage, rows, put_rows)`` emits a step's passes
     (``stage``: a buffer of ``stage_bands`` vectors), calling ``put_rows(k)`` each time it leaves rows in
     ``rows``: the vectors ``row_vectors[j]`` for row ``k + offset_step * j``. The last few blocks go through a
@@ -369,21 +374,21 @@ def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, 
             f32, i64 = ir.FloatType(), ir.IntType(64)
             out_type = context.get_data_type(image_t.dtype)
             whole_out, partial_out = (_output_rows_function(builder.module, out_type, partial, layout, row_vectors,
-                                                            offset_step) for partial in (False, True))
-            src_a, src_stride, whole, rest = _steps(context, builder, src_t, args[0], n_t, args[2])
-            stage = cgutils.alloca_once(builder, f32, size=stage_bands * LANES) if stage_bands else None
-            rows = cgutils.alloca_once(builder, f32, size=n_vectors * LANES)
+                                                            offset_step, lanes) for partial in (False, True))
+            src_a, src_stride, whole, rest = _steps(context, builder, src_t, args[0], n_t, args[2], lanes)
+            stage = cgutils.alloca_once(builder, f32, size=stage_bands * lanes) if stage_bands else None
+            rows = cgutils.alloca_once(builder, f32, size=n_vectors * lanes)
             image = context.make_array(image_t)(context, builder, args[1]).data
             origins = context.make_array(origins_t)(context, builder, args[3]).data
             offsets = context.make_array(offsets_t)(context, builder, args[4]).data
-            with cgutils.for_range_slice(builder, i64(0), whole, i64(LANES)) as (b, _):
+            with cgutils.for_range_slice(builder, i64(0), whole, i64(lanes)) as (b, _):
                 origins_b = builder.gep(origins, [b])
                 emit_step(builder, builder.gep(src_a.data, [b]), src_stride, stage, rows,
                           lambda k: builder.call(whole_out, [rows, image, origins_b, builder.gep(offsets, [k])]))
             with builder.if_then(builder.icmp_signed(">", rest, i64(0))):
-                pad_in = _padded_rest(builder, n_bands, src_a, src_stride, whole, rest)
+                pad_in = _padded_rest(builder, n_bands, src_a, src_stride, whole, rest, lanes)
                 origins_rest = builder.gep(origins, [whole])
-                emit_step(builder, pad_in, i64(LANES), stage, rows,
+                emit_step(builder, pad_in, i64(lanes), stage, rows,
                           lambda k: builder.call(partial_out, [rows, image, origins_rest, builder.gep(offsets, [k]),
                                                                rest]))
             return context.get_dummy_value()
@@ -401,7 +406,7 @@ GREY_PASSES = {(8, 8): ((1, DCT8), (0, DCT8)), (8, 4): ((1, DCT4), (0, DCT8)), (
 _rgb8 = _blocks_kernel(192, _program_into_bands("rgb8", (8, 8, 3), RGB8_PASSES))
 _grey8, _grey84, _grey48, _grey44 = (_blocks_kernel(h * w, _program_into_bands(f"grey{h}{w}", (h, w), GREY_PASSES[h, w]))
                                      for h, w in ((8, 8), (8, 4), (4, 8), (4, 4)))
-_cube8 = _blocks_kernel(CUBE_BANDS, _cube_into_bands, CUBE_BANDS + 64)  # stage and rows of _cube_step
+_cube8 = _blocks_kernel(CUBE_BANDS, _cube_into_bands, CUBE_BANDS + 64, CUBE_LANES)  # stage and rows of _cube_step
 
 # Which bands each straight-into-the-output kernel's row r of a block holds, in the row's order (the order of the
 # output): volumes and grey blocks in band order (rows over X or W); RGB interleaved (rows of 8 of the 24 bytes of
@@ -410,7 +415,8 @@ CUBE_ROWS = np.arange(CUBE_BANDS).reshape(-1, 8)
 GREY_ROWS_OF = {w: np.arange(w[0] * w[1]).reshape(w) for w in GREY_PASSES}
 RGB_ROWS = np.arange(192).reshape(-1, 8)
 RGB_PLANE_ROWS = np.array([[24 * h + 3 * w + c for w in range(8)] for h in range(8) for c in range(3)])
-_cube8_rows = _into_output_kernel("cube", CUBE_BANDS, CUBE_BANDS, _cube_step, CUBE_ROWS[:8], 8)  # a row of Y a time
+_cube8_rows = _into_output_kernel("cube", CUBE_BANDS, CUBE_BANDS, _cube_step, CUBE_ROWS[:8], 8,  # a row of Y a time
+                                  CUBE_LANES)
 _grey8_rows, _grey84_rows, _grey48_rows, _grey44_rows = (
     _into_output_kernel(f"grey{h}{w}", h * w, 0, _program_into_rows(f"grey{h}{w}", (h, w), GREY_PASSES[h, w]),
                         GREY_ROWS_OF[h, w]) for h, w in ((8, 8), (8, 4), (4, 8), (4, 4)))

@@ -11,6 +11,7 @@ import scipy.fft
 from dctchop import transform
 from dctchop.inverse8 import (
     COLOUR3,
+    CUBE_LANES,
     CUBE_ROWS,
     DCT4,
     DCT8,
@@ -32,7 +33,8 @@ from dctchop.inverse8 import (
 )
 
 F32 = np.float32
-BLOCK_COUNTS = [1, LANES - 1, LANES, 2 * LANES + 5, 1040]  # a short tail only, whole steps, both; 1040: 4 KB rows
+# a short tail only (of the cubes' steps too), whole steps, both; 1040: 4 KB rows
+BLOCK_COUNTS = [1, CUBE_LANES - 1, LANES - 1, LANES, 2 * LANES + 5, 1040]
 
 
 def _band_major(n_bands: int, n_blocks: int, seed: int) -> np.ndarray:
