@@ -213,9 +213,10 @@ def _program_into_bands(name: str, dims, passes):
 # blocks goes through two buffers on the stack: the passes over X and Y plane by plane (the grey program) into
 # ``stage`` (512 vectors: 16 KB of 8 lanes; with LANES' 16 it took 32 KB of a Sapphire Rapids core's 48 KB L1
 # beside the lines streaming in and out, and a 32³ float32 field chunk decoded 1.13x slower), then the pass over
-# Z column by column, one row of Y at a time, into ``rows`` (64 vectors), which goes out either as band-major rows (:func:`inverse_cube8`) or, where each block's
-# samples are rows of 8 in the output, transposed straight into the output (:func:`inverse_cube8_rows`), with no
-# band-major result to transpose after. 512-block slabs of 32³ float32 fields: 0.93-1.1 ns a value for that
+# Z column by column, one row of Y at a time, into ``rows`` (64 vectors), which goes out either as band-major
+# rows (:func:`inverse_cube8`) or, where each block's samples are rows of 8 in the output, transposed straight
+# into the output (:func:`inverse_cube8_rows`), with no band-major result to transpose after. 512-block slabs of
+# 32³ float32 fields, with 16 lanes: 0.93-1.1 ns a value for that (0.79-1.0 with 8)
 # against 1.8-2.2 for the numba kernel and :func:`dctchop.transform._bands_to_rows`; uint8 0.6 against 1.3-1.9.
 # Grey and RGB blocks go straight into the output the same way (:func:`inverse_grey8_rows`, :func:`inverse_rgb8_rows`
 # and the others: the whole program of a step into ``rows``, then out by rows of 8, or of 4 for grey blocks 4
@@ -355,8 +356,8 @@ def _cube_into_bands(builder, out_type, src, src_stride, dst, dst_stride, scratc
 def _into_output_kernel(layout: str, n_bands: int, stage_bands: int, emit_step, row_vectors, offset_step: int = 1,
                         lanes: int = LANES):
     """An intrinsic ``kernel(src, image, n_blocks, origins, offsets)`` that decodes blocks ``0 .. n_blocks`` of
-    band-major ``src`` (``lanes`` a step) straight into the flat ``image``: a block's row ``r`` of 8 (or 4) values at
-    ``image[origins[b] + offsets[r]]``. ``emit_step(builder, src, src_stride, stage, rows, put_rows)`` emits a step's passes
+    band-major ``src`` (``lanes`` a step) straight into the flat ``image``: a block's row ``r`` of 8 (or 4)
+    values at ``image[origins[b] + offsets[r]]``. ``emit_step(builder, src, src_stride, stage, rows, put_rows)`` emits a step's passes
     (``stage``: a buffer of ``stage_bands`` vectors), calling ``put_rows(k)`` each time it leaves rows in
     ``rows``: the vectors ``row_vectors[j]`` for row ``k + offset_step * j``. The last few blocks go through a
     zero-padded copy."""
