@@ -471,6 +471,25 @@ def _inverse_blocks8_loop(x, y, n_blocks, m, zero, lo, hi, is_int):  # pragma: n
         _mirror_pair(y, 8 * b + 3, 8 * b + 4, c3, v, zero, lo, hi, is_int)
 
 
+# The whole blocks of _forward_rows8 and _inverse_rows8, not inlined there: compiled once for their three uses
+# (inlined at each, _inverse_rows8 took 17 s to compile for uint16 and float64 output, _forward_rows8 5.6 s).
+# A single row is all of them or one tile's run; else a tile's rows, looping here (a call per row: 2x slower).
+# No constant arguments: numba compiles another copy for each literal value.
+@numba.njit(nogil=True, cache=True)
+def _forward_blocks8_rows(src, dst, n_blocks, m, zero):  # pragma: no cover - compiled
+    """:func:`_forward_blocks8` of the first ``n_blocks`` blocks of each row."""
+    for t in range(src.shape[0]):
+        _forward_blocks8(src[t], dst[t], n_blocks, m, zero)
+
+
+@numba.njit(nogil=True, cache=True)
+def _inverse_blocks8_rows(src, dst, n_blocks, m, zero, lo, hi, is_int):  # pragma: no cover - compiled
+    """:func:`_inverse_blocks8` of the first ``n_blocks`` blocks of each row (the colour kernels below inline
+    it, 1.12-1.15x faster there)."""
+    for t in range(src.shape[0]):
+        _inverse_blocks8(src[t], dst[t], n_blocks, m, zero, lo, hi, is_int)
+
+
 # Without an edge block the rows' blocks follow one another in memory and run as one loop: rows of a few
 # blocks (32-sample volumes: 4) are too short for the vectorised loop on their own. Rows with an edge block
 # (widths not a multiple of 8) go TILE rows at a time: their whole blocks are transformed in place when a row
@@ -524,22 +543,21 @@ def _forward_rows8(src, dst, mat, kinds):  # pragma: no cover - compiled
     m = _square8(mat)
     zero = np.zeros(1, dtype=mat.dtype)[0]
     if full == length:
-        _forward_blocks8(src.reshape(-1), dst.reshape(-1), n_outer * n_full, m, zero)
+        _forward_blocks8_rows(src.reshape(1, -1), dst.reshape(1, -1), n_outer * n_full, m, zero)
         return
     tile = np.zeros((8, TILE), dtype=mat.dtype)
     acc = np.empty(TILE, dtype=mat.dtype)
     if n_full >= 8:
         for o0 in range(0, n_outer, TILE):
             rows = min(TILE, n_outer - o0)
-            for t in range(rows):
-                _forward_blocks8(src[o0 + t], dst[o0 + t], n_full, m, zero)
+            _forward_blocks8_rows(src[o0 : o0 + rows], dst[o0 : o0 + rows], n_full, m, zero)
             _forward_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero)
         return
     run_in, run_out = np.empty(TILE * full, dtype=src.dtype), np.empty(TILE * full, dtype=dst.dtype)
     for o0 in range(0, n_outer, TILE):
         rows = min(TILE, n_outer - o0)
         _rows_to_run(src, o0, rows, full, run_in)
-        _forward_blocks8(run_in, run_out, rows * n_full, m, zero)
+        _forward_blocks8_rows(run_in.reshape(1, -1), run_out.reshape(1, -1), rows * n_full, m, zero)
         _run_to_rows(run_out, dst, o0, rows, full)
         _forward_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero)
 
@@ -571,22 +589,21 @@ def _inverse_rows8(src, dst, mat, kinds, lo, hi, is_int):  # pragma: no cover - 
     m = _square8(mat)
     zero = np.zeros(1, dtype=mat.dtype)[0]
     if full == length:
-        _inverse_blocks8(src.reshape(-1), dst.reshape(-1), n_outer * n_full, m, zero, lo, hi, is_int)
+        _inverse_blocks8_rows(src.reshape(1, -1), dst.reshape(1, -1), n_outer * n_full, m, zero, lo, hi, is_int)
         return
     tile = np.zeros((8, TILE), dtype=mat.dtype)
     acc = np.empty(TILE, dtype=mat.dtype)
     if n_full >= 8:
         for o0 in range(0, n_outer, TILE):
             rows = min(TILE, n_outer - o0)
-            for t in range(rows):
-                _inverse_blocks8(src[o0 + t], dst[o0 + t], n_full, m, zero, lo, hi, is_int)
+            _inverse_blocks8_rows(src[o0 : o0 + rows], dst[o0 : o0 + rows], n_full, m, zero, lo, hi, is_int)
             _inverse_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero, lo, hi, is_int)
         return
     run_in, run_out = np.empty(TILE * full, dtype=src.dtype), np.empty(TILE * full, dtype=dst.dtype)
     for o0 in range(0, n_outer, TILE):
         rows = min(TILE, n_outer - o0)
         _rows_to_run(src, o0, rows, full, run_in)
-        _inverse_blocks8(run_in, run_out, rows * n_full, m, zero, lo, hi, is_int)
+        _inverse_blocks8_rows(run_in.reshape(1, -1), run_out.reshape(1, -1), rows * n_full, m, zero, lo, hi, is_int)
         _run_to_rows(run_out, dst, o0, rows, full)
         _inverse_edge_block(src, dst, o0, rows, mat, kinds, tile, acc, zero, lo, hi, is_int)
 
