@@ -3,6 +3,7 @@
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,6 +29,18 @@ def unprivileged() -> list[str]:
     if not denied:
         pytest.skip("root reads anything, and setpriv cannot drop the capabilities that let it")
     return prefix
+
+
+@pytest.fixture(scope="session")
+def signals_by_default() -> list[str]:
+    """The prefix that runs a command with SIGINT and SIGHUP at their default actions, as a terminal delivers
+    them, however the suite was started: an ignored signal stays ignored across exec, a shell ignores SIGINT in
+    a job it starts in the background (``nohup make test &`` ignores both), and dctchop keeps an ignored SIGHUP
+    ignored; a child started so could not be interrupted. exec keeps the process id, so a signal sent to the
+    child reaches the command."""
+    code = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+            "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
+    return [sys.executable, "-c", code]
 
 
 @pytest.fixture

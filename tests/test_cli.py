@@ -817,10 +817,11 @@ def test_failed_overwrite_keeps_old_store(data, psnr45, tmp_path):
     assert not leftovers(tmp_path, out.name)
 
 
-def test_interrupt_leaves_no_output(data, tmp_path):
+def test_interrupt_leaves_no_output(data, tmp_path, signals_by_default):
     out = tmp_path / "sig.zarr"
-    proc = subprocess.Popen([str(DCTCHOP), "compress", str(data.big_npy), str(out), "--psnr", "60",
-                             "--workers", "1", "--chunk-samples", "8", "--zstd-level", "19"],  # slow on any machine
+    proc = subprocess.Popen([*signals_by_default, str(DCTCHOP), "compress", str(data.big_npy), str(out),
+                             "--psnr", "60", "--workers", "1", "--chunk-samples", "8",
+                             "--zstd-level", "19"],  # slow on any machine
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # interrupt while chunks are being written into the temporary sibling
     deadline = time.monotonic() + 60

@@ -1171,17 +1171,11 @@ def big_npy(tmp_path_factory) -> Path:
     return path
 
 
-# Runs the command with SIGHUP's default action, as a terminal would deliver it, also when the suite itself runs
-# under nohup: an ignored signal stays ignored across exec, and dctchop keeps an ignored SIGHUP ignored (tested
-# below). exec keeps the process id, so signals sent to the child reach dctchop.
-HANGUP_BY_DEFAULT = "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
-
-
-def start_and_wait_for_chunks(args, out: Path) -> tuple[subprocess.Popen, Path]:
-    """Start ``dctchop compress`` (at zstd level 19, so it runs for seconds, even on idle cores); return once its
-    temporary holds chunk files (mid-way through writing)."""
-    proc = subprocess.Popen([sys.executable, "-c", HANGUP_BY_DEFAULT, str(DCTCHOP), *map(str, args),
-                             "--zstd-level", "19"],
+def start_and_wait_for_chunks(prefix: list[str], args, out: Path) -> tuple[subprocess.Popen, Path]:
+    """Start ``dctchop compress`` after ``prefix`` (the ``signals_by_default`` fixture), at zstd level 19, so it
+    runs for seconds, even on idle cores; return once its temporary holds chunk files (mid-way through
+    writing)."""
+    proc = subprocess.Popen([*prefix, str(DCTCHOP), *map(str, args), "--zstd-level", "19"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -1204,9 +1198,9 @@ def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def test_sigint_during_compress(tmp_path, big_npy):
+def test_sigint_during_compress(tmp_path, big_npy, signals_by_default):
     out = tmp_path / "big.zarr"
-    proc, _ = start_and_wait_for_chunks(["compress", big_npy, out], out)
+    proc, _ = start_and_wait_for_chunks(signals_by_default, ["compress", big_npy, out], out)
     proc.send_signal(signal.SIGINT)
     one_line(finish(proc), 130, "dctchop: interrupted")
     assert_no_output(out)
@@ -1227,13 +1221,13 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the worker processes through /proc")
-def test_sigint_while_dask_worker_processes_run(tmp_path):
+def test_sigint_while_dask_worker_processes_run(tmp_path, signals_by_default):
     """The interpreter's exit waited forever on a worker of Dask's own process pool, whose shutdown message
     its closed queue never delivered: every run interrupted while a task was in flight hung."""
     out = tmp_path / "out.zarr"
-    proc = subprocess.Popen([str(DCTCHOP), "compress", Path(__file__).parents[1] / "sample_data/images.h5", out,
-                             "--scheduler", "processes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen([*signals_by_default, str(DCTCHOP), "compress",
+                             Path(__file__).parents[1] / "sample_data/images.h5", out, "--scheduler", "processes"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
     while not _children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -1250,12 +1244,12 @@ def test_sigint_while_dask_worker_processes_run(tmp_path):
 
 
 @pytest.mark.parametrize("as_url", [False, True], ids=["path", "file-url"])
-def test_sigkill_during_compress_then_rerun(tmp_path, big_npy, as_url):
+def test_sigkill_during_compress_then_rerun(tmp_path, big_npy, as_url, signals_by_default):
     """A file:// URL names local files too: its killed run's temporary is the rerun's to remove (it was named
     at random, as for a remote store, and left for good)."""
     out = tmp_path / "big.zarr"
     target = f"file://{out}" if as_url else out
-    proc, tmp = start_and_wait_for_chunks(["compress", big_npy, target], out)
+    proc, tmp = start_and_wait_for_chunks(signals_by_default, ["compress", big_npy, target], out)
     proc.send_signal(signal.SIGKILL)
     assert finish(proc).returncode == -signal.SIGKILL
     assert not os.path.lexists(out)
@@ -1267,11 +1261,12 @@ def test_sigkill_during_compress_then_rerun(tmp_path, big_npy, as_url):
 
 @pytest.mark.parametrize("sig, code, message", [(signal.SIGINT, 130, "dctchop: interrupted"),
                                                  (signal.SIGTERM, 143, "dctchop: interrupted by SIGTERM")])
-def test_a_signal_during_overwrite_keeps_the_old_store(tmp_path, big_npy, inputs, sig, code, message):
+def test_a_signal_during_overwrite_keeps_the_old_store(tmp_path, big_npy, inputs, sig, code, message,
+                                                      signals_by_default):
     out = tmp_path / "big.zarr"
     ok(run("compress", inputs / "images.npy", out, "--quiet"))
     before = snapshot(out)
-    proc, _ = start_and_wait_for_chunks(["compress", big_npy, out, "--overwrite"], out)
+    proc, _ = start_and_wait_for_chunks(signals_by_default, ["compress", big_npy, out, "--overwrite"], out)
     proc.send_signal(sig)
     one_line(finish(proc), code, message)
     assert snapshot(out) == before
@@ -1303,11 +1298,11 @@ def test_an_interrupt_while_the_replaced_store_is_removed_says_the_new_one_is_in
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_sigterm_and_sighup_during_compress_clean_up_like_ctrl_c(tmp_path, big_npy, sig):
+def test_sigterm_and_sighup_during_compress_clean_up_like_ctrl_c(tmp_path, big_npy, sig, signals_by_default):
     # timeout, SLURM and kill send SIGTERM, a closed terminal SIGHUP: the process died with -15 and left
     # its hidden temporary behind
     out = tmp_path / "big.zarr"
-    proc, _ = start_and_wait_for_chunks(["compress", big_npy, out], out)
+    proc, _ = start_and_wait_for_chunks(signals_by_default, ["compress", big_npy, out], out)
     proc.send_signal(sig)
     one_line(finish(proc), 128 + sig, f"dctchop: interrupted by {sig.name}")
     assert_no_output(out)
