@@ -1,13 +1,13 @@
 """The inverse transform of 8x8 blocks (grey, and RGB with its colour DCT), of the 8x4, 4x8 and 4x4 edge blocks
-of grey images 4 past a multiple of 8 (28x28) and of 8x8x8 blocks (volumes), sixteen blocks at a time (volumes
-eight) as LLVM vectors: the kernels of the band-major decode of :mod:`dctchop.transform` for those blocks.
+of grey images 4 past a multiple of 8 (28x28) and of 8x8x8 blocks (volumes), sixteen blocks at a time with
+AVX-512, else eight (volumes eight) as LLVM vectors: the kernels of the band-major decode of :mod:`dctchop.transform` for those blocks.
 
 Why. numba's loops reach SIMD only through LLVM's loop vectoriser, which must guard every loop with run-time
 checks that its arrays do not overlap (numba cannot say they do not). A loop that computes all eight outputs
 of a pass from its eight inputs reads and writes sixteen arrays: the checks cost more than a short loop's
 work, so the numba kernels compute two outputs per loop over tiles of 256 blocks, read each input four
 times and keep their tiles in L2. Here the code is written as vectors directly (a numba intrinsic that
-emits LLVM IR): one lane per block, sixteen blocks a step, every pass of a block in registers (LLVM spills
+emits LLVM IR): one lane per block, a vector of blocks a step, every pass of a block in registers (LLVM spills
 what does not fit to the stack, which stays in L1), and the DCT and colour matrices as constants, which LLVM
 folds into the multiplies instead of holding them in registers.
 
@@ -35,10 +35,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from dctchop.jit import numba
+from dctchop.jit import VECTOR_BITS, numba
 from dctchop.transform import dct_matrix
 
-LANES = 16  # blocks per step: one 512-bit vector of float32 (two 256-bit ones without AVX-512)
+# Blocks per step: one vector of float32. Two 256-bit vectors a step without AVX-512 held twice the values
+# in the 16 registers AVX2 has, and spilled more: 1.1-1.25x slower than 8 (the fastest of 8 or 16, RGB and grey
+# blocks straight into the output, on a Zen 3 machine).
+LANES = VECTOR_BITS // 32
 CUBE_LANES = 8  # for 8x8x8 blocks, whose step's stage buffer then fits in L1 (see _cube_step)
 DCT8 = dct_matrix(8).astype(np.float32)  # the matrices of the passes, as the numba kernels get them
 DCT4 = dct_matrix(4).astype(np.float32)

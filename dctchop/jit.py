@@ -24,7 +24,7 @@ import numba
 from numba.core import caching, codegen, config
 from numba.core.compiler_lock import global_compiler_lock
 
-__all__ = ["numba"]
+__all__ = ["VECTOR_BITS", "numba"]
 
 
 def _prefer_512_bit_vectors() -> None:
@@ -33,6 +33,16 @@ def _prefer_512_bit_vectors() -> None:
     features = codegen.get_host_cpu_features()  # what numba would use (honours NUMBA_ENABLE_AVX)
     if "+avx512f" in features.split(","):
         config.CPU_FEATURES = features + ",-prefer-256-bit"
+
+
+def _vector_bits() -> int:
+    """The widest vectors of numba's target, in bits: 512 with AVX-512, else 256 (what
+    :mod:`dctchop.inverse8` sizes its steps of blocks by). A target the user named without its features
+    counts as 256."""
+    features = config.CPU_FEATURES
+    if features is None:
+        features = codegen.get_host_cpu_features() if config.CPU_NAME is None else ""
+    return 512 if "+avx512f" in features.split(",") else 256
 
 
 def _nothing() -> None:  # pragma: no cover - never called: numba looks for its cache location on definition
@@ -98,6 +108,7 @@ def _fork_between_compilations() -> None:
 
 
 _prefer_512_bit_vectors()
+VECTOR_BITS = _vector_bits()
 _cache_somewhere()
 _cache_failures_cost_a_compile()
 _fork_between_compilations()

@@ -52,6 +52,32 @@ def test_a_target_the_user_set_is_kept():
     assert features == host
 
 
+def _lanes(**env_vars) -> int:
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
+    code = "from dctchop.inverse8 import LANES; print(LANES)"
+    return int(subprocess.run([sys.executable, "-c", code], env={**env, **env_vars}, capture_output=True,
+                              text=True, check=True).stdout)
+
+
+def test_the_llvm_kernels_step_a_vector_of_blocks_of_the_target():
+    assert _lanes() == (16 if HOST_HAS_AVX512 else 8)
+    assert _lanes(NUMBA_CPU_NAME="generic") == 8  # a named target without its features: 256-bit vectors
+
+
+@pytest.mark.skipif(not HOST_HAS_AVX512, reason="needs a processor with AVX-512")
+def test_the_llvm_kernels_hold_on_a_target_without_avx512():
+    # there they step eight blocks at a time, here sixteen: their tests, run for that target in a process of
+    # its own (which compiles them for it: a minute on two cores)
+    host = codegen.get_host_cpu_features().split(",")
+    features = ",".join("-" + f[1:] if f.startswith(("+avx512", "+avx10")) else f for f in host)
+    assert _lanes(NUMBA_CPU_FEATURES=features) == 8
+    env = {**{k: v for k, v in os.environ.items() if k != "NUMBA_CPU_NAME"}, "NUMBA_CPU_FEATURES": features}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_inverse8.py"],
+                         cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                         check=False, timeout=1200)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
 def test_a_read_only_install_without_a_writable_home_caches_its_kernels_in_a_private_directory(tmp_path,
                                                                                              unprivileged):
     # numba found nowhere to cache (neither beside the sources nor in ~/.cache) and refused to define the
