@@ -164,8 +164,8 @@ def _unzigzag_bytes(lo):  # pragma: no cover - compiled
 
 # Reading the values off the words: a loop per case (a high byte or not), through slices of the words from the
 # run's first value, and in int32, which AVX2 converts to float64 in vectors (int64 only with AVX-512). With the
-# case tested per value and the words indexed from a skipped start, the dequantizing loop ran scalar: 1.5-2.5x
-# slower on a Zen 3 machine (:func:`_unpack_dequantize`, 32x32 RGB chunks).
+# case tested per value and the words indexed from a skipped start, the dequantizing loop ran scalar: 1.5-3.9x
+# slower on a Zen 3 machine (:func:`_unpack_dequantize` alone on 32x32 RGB chunks, alternating processes).
 @numba.njit(inline="always")
 def _high_value(lo_bytes, hi_bytes, i):  # pragma: no cover - compiled
     """Value ``i`` of a run with a high byte decoded by :func:`_decode_run` (``lo_bytes``, ``hi_bytes``: its

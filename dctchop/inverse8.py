@@ -1,6 +1,7 @@
 """The inverse transform of 8x8 blocks (grey, and RGB with its colour DCT), of the 8x4, 4x8 and 4x4 edge blocks
 of grey images 4 past a multiple of 8 (28x28) and of 8x8x8 blocks (volumes), sixteen blocks at a time with
-AVX-512, else eight (volumes eight) as LLVM vectors: the kernels of the band-major decode of :mod:`dctchop.transform` for those blocks.
+AVX-512, else eight (volumes eight), as LLVM vectors: the kernels of the band-major decode of
+:mod:`dctchop.transform` for those blocks.
 
 Why. numba's loops reach SIMD only through LLVM's loop vectoriser, which must guard every loop with run-time
 checks that its arrays do not overlap (numba cannot say they do not). A loop that computes all eight outputs

@@ -67,7 +67,7 @@ def test_the_llvm_kernels_step_a_vector_of_blocks_of_the_target():
 @pytest.mark.skipif(not HOST_HAS_AVX512, reason="needs a processor with AVX-512")
 def test_the_llvm_kernels_hold_on_a_target_without_avx512():
     # there they step eight blocks at a time, here sixteen: their tests, run for that target in a process of
-    # its own (which compiles them for it: a minute on two cores)
+    # its own (which compiles them for it: 40 s on two Zen 3 cores)
     host = codegen.get_host_cpu_features().split(",")
     features = ",".join("-" + f[1:] if f.startswith(("+avx512", "+avx10")) else f for f in host)
     assert _lanes(NUMBA_CPU_FEATURES=features) == 8
