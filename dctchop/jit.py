@@ -37,12 +37,10 @@ def _prefer_512_bit_vectors() -> None:
 
 def _vector_bits() -> int:
     """The widest vectors of numba's target, in bits: 512 with AVX-512, else 256 (what
-    :mod:`dctchop.inverse8` sizes its steps of blocks by). A target the user named without its features
-    counts as 256."""
-    features = config.CPU_FEATURES
-    if features is None:
-        features = codegen.get_host_cpu_features() if config.CPU_NAME is None else ""
-    return 512 if "+avx512f" in features.split(",") else 256
+    :mod:`dctchop.inverse8` sizes its steps of blocks by). Read after :func:`_prefer_512_bit_vectors`, which
+    names the features of a host with AVX-512; without named features (a host without it, or a target the user
+    named without its features) 256."""
+    return 512 if "+avx512f" in (config.CPU_FEATURES or "").split(",") else 256
 
 
 def _nothing() -> None:  # pragma: no cover - never called: numba looks for its cache location on definition

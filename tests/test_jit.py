@@ -29,10 +29,14 @@ print("zmm" if "%zmm" in asm else "no zmm")
 """
 
 
+def _without_a_target() -> dict[str, str]:
+    """This process's environment less a numba target of the caller's own."""
+    return {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
+
+
 def _probe(**env_vars) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
-    run = subprocess.run([sys.executable, "-c", PROBE], env={**env, **env_vars}, capture_output=True, text=True,
-                         check=True)
+    run = subprocess.run([sys.executable, "-c", PROBE], env={**_without_a_target(), **env_vars},
+                         capture_output=True, text=True, check=True)
     return run.stdout.split("\n")[:2]
 
 
@@ -53,10 +57,9 @@ def test_a_target_the_user_set_is_kept():
 
 
 def _lanes(**env_vars) -> int:
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")}
     code = "from dctchop.inverse8 import LANES; print(LANES)"
-    return int(subprocess.run([sys.executable, "-c", code], env={**env, **env_vars}, capture_output=True,
-                              text=True, check=True).stdout)
+    return int(subprocess.run([sys.executable, "-c", code], env={**_without_a_target(), **env_vars},
+                              capture_output=True, text=True, check=True).stdout)
 
 
 def test_the_llvm_kernels_step_a_vector_of_blocks_of_the_target():
@@ -71,7 +74,7 @@ def test_the_llvm_kernels_hold_on_a_target_without_avx512():
     host = codegen.get_host_cpu_features().split(",")
     features = ",".join("-" + f[1:] if f.startswith(("+avx512", "+avx10")) else f for f in host)
     assert _lanes(NUMBA_CPU_FEATURES=features) == 8
-    env = {**{k: v for k, v in os.environ.items() if k != "NUMBA_CPU_NAME"}, "NUMBA_CPU_FEATURES": features}
+    env = {**_without_a_target(), "NUMBA_CPU_FEATURES": features}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_inverse8.py"],
                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                          check=False, timeout=1200)
