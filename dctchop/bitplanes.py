@@ -236,11 +236,11 @@ def _unpack_dequantize(planes, offsets, run_starts, masks, n_bytes, first, seg_s
         if high:
             lo, hi = lo_bytes[skip : skip + n], hi_bytes[skip : skip + n]
             for i in range(n):
-                dst[i] = _high_value(lo, hi, i) * step
+                dst[i] = np.float32(_high_value(lo, hi, i)) * step
         else:
             low = signed[skip : skip + n]
             for i in range(n):
-                dst[i] = np.int32(low[i]) * step
+                dst[i] = np.float32(low[i]) * step
 
 
 @dataclass(frozen=True)

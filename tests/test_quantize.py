@@ -164,7 +164,10 @@ def test_int_precisions_never_saturate(precision, base_step):
     steps = qz.choose_steps(maxabs, precision, base_step, weights)
     full_range = maxabs / qz.QMAX[precision]
     expected = full_range if base_step is None else np.maximum(base_step * weights, full_range)
-    np.testing.assert_allclose(steps, np.where(expected > 0, expected, 1.0))
+    expected = np.where(expected > 0, expected, 1.0)
+    # rounded up to float32 (decode_steps): at most one float32 ulp more
+    assert np.all(steps >= expected) and np.all(steps.astype(np.float32) == steps)
+    np.testing.assert_allclose(steps, expected, rtol=2.0**-23)
     q = qz.quantize(values, steps, seg_starts, seg_bands, precision)
     assert q.dtype == qz.STORAGE_DTYPES[precision]
     assert np.max(np.abs(q.astype(np.int64))) <= qz.QMAX[precision]
@@ -224,6 +227,47 @@ def test_error_stats_over_counted_rows(dtype):
     sse, worst = qz.error_stats(x, y, rows)
     assert sse == pytest.approx(float(np.sum(d**2)), rel=1e-12)
     assert worst == float(np.max(np.abs(d)))
+
+
+def test_steps_are_float32_where_float32_holds_them():
+    """choose_steps rounds each step up to float32 where float32 has it as a normal number; decode_steps then
+    hands the kernels float32 steps for float32 work, float64 ones otherwise."""
+    tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    maxabs = np.array([0.1, 1 / 3, 7.0, 1e-300, tiny / 3, big * 8, 0.0]) * qz.QMAX["int16"]
+    steps = qz.choose_steps(maxabs, "int16")
+    wanted = maxabs / qz.QMAX["int16"]
+    held = steps[:3].astype(np.float32)  # the smallest float32 at least the step wanted
+    assert np.all(held == steps[:3]) and np.all(steps[:3] >= wanted[:3])
+    assert np.all(np.nextafter(held, np.float32(0)) < wanted[:3])
+    assert steps[3:6].tolist() == wanted[3:6].tolist()  # below float32's normal numbers, or past its range
+    assert steps[6] == 1.0
+    for dtype in (np.uint8, np.int16, np.float16, np.float32):
+        assert qz.decode_steps(steps[:3], dtype).dtype == np.float32
+        assert qz.decode_steps(steps, dtype) is steps  # one step float32 cannot hold: all float64
+    assert qz.decode_steps(steps[:3], np.float64).dtype == np.float64  # float64 work multiplies in float64
+
+
+def test_dequantizing_in_float32_gives_the_float64_products():
+    """Levels times float32-exact steps: the same float32 values whether the kernel multiplies in float32 or
+    in float64 (the product is exact in float64 and rounded once either way)."""
+    from dctchop.bitplanes import check_planes, to_planes
+
+    rng = np.random.default_rng(11)
+    for precision, top in (("int8", 127), ("int16", 32767)):
+        seg_starts = np.array([0, 40, 41, 200, 333], np.int64)
+        q = (rng.integers(-top, top + 1, 333) // rng.choice([1, 64, 4096], 333)).astype(qz.STORAGE_DTYPES[precision])
+        steps = qz.choose_steps(rng.uniform(0.001, 300, 4) * top, precision, float(rng.uniform(1e-4, 10)))
+        planes = check_planes(to_planes(q, seg_starts), seg_starts, q.dtype)
+        bands, first = np.arange(4), seg_starts[:-1].copy()
+        outs = []
+        for kernel_steps in (steps, qz.decode_steps(steps, np.float32)):
+            out = np.zeros(333, np.float32)
+            planes.dequantize_into(kernel_steps, first, seg_starts, bands, out, seg_starts[:-1].copy())
+            outs.append(out)
+        assert outs[1].dtype == np.float32
+        np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+        expected = (q.astype(np.float64) * steps[np.repeat(bands, np.diff(seg_starts))]).astype(np.float32)
+        np.testing.assert_array_equal(outs[1], expected)
 
 
 def test_band_maxabs_and_step_requirements():
