@@ -75,7 +75,7 @@ def test_the_sdist_carries_what_its_tests_read(tmp_path):
     with tarfile.open(tmp_path / name) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
     needed = {"tests/conftest.py", "sample_data/images.h5", "sample_data/field.npy", "benchmarks/fuzz_decoder.py",
-              "examples/train_classifier.py"}
+              "benchmarks/payload.py", "benchmarks/peers.py", "examples/train_classifier.py"}
     needed |= {str(p.relative_to(REPO)) for p in (REPO / "tests" / "fixtures").rglob("*") if p.is_file()
                and "__pycache__" not in p.parts}
     assert needed <= names, sorted(needed - names)
