@@ -367,7 +367,8 @@ def search_ratio_step(plan: ArrayPlan, ratio: float, threads: int, overhead: int
     if achieved(math.exp(hi)) < ratio * (1 - RATIO_TOLERANCE) * (1 + RATIO_MARGIN):
         small = ""
         if overhead * ratio >= original:  # an HDF5 file's other arrays can still be compressed without it
-            advice = "" if plan.source.file.lower().endswith(".npy") else ": copy it with --lossless"
+            advice = "" if plan.source.file.lower().endswith(".npy") else (
+                f": copy it with --lossless {plan.source.name} to compress the file's other arrays")
             small = f"; at {original} bytes, its metadata alone (about {overhead} bytes) rules that out{advice}"
         raise DctchopError(f"{plan.name}: ratio {ratio:g} is unreachable (at most about "
                            f"{achieved(math.exp(hi)):.3g} with these settings, metadata included){small}")

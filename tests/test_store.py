@@ -409,7 +409,8 @@ def test_a_ratio_out_of_reach_for_any_array_fails_before_a_chunk_is_written(tmp_
         f["g/const"] = np.full((10, 8, 8), 7, np.uint8)
     written = []
     monkeypatch.setattr(store, "_write_lossy", lambda *args: written.append(args) or {})
-    with pytest.raises(DctchopError, match="g/const: ratio 4 is unreachable.*copy it with --lossless"):
+    with pytest.raises(DctchopError, match="g/const: ratio 4 is unreachable.*copy it with --lossless /g/const to compress the "
+                       "file's other arrays$"):
         compress(open_source(str(tmp_path / "tiny.h5")), tmp_path / "t.zarr",
                  CompressOptions(target=Target("ratio", 4.0)))
     assert written == [] and not (tmp_path / "t.zarr").exists()
