@@ -276,11 +276,12 @@ def _print_report(report: dict, show_chunks: bool) -> None:
 @click.argument("store", type=Path())
 @click.argument("output", type=Path())
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
-def decompress(store, output, overwrite):
-    """Decode STORE into OUTPUT: .npy (a single array) or .h5 (all arrays, groups and attributes)."""
+@click.option("--array", metavar="NAME", help="The array a .npy OUTPUT holds (default: the store's only one).")
+def decompress(store, output, overwrite, array):
+    """Decode STORE into OUTPUT: .npy (one array) or .h5 (all arrays, groups and attributes)."""
     from dctchop.export import decompress as decompress_store
 
-    written = decompress_store(store, output, overwrite=overwrite)
+    written = decompress_store(store, output, overwrite=overwrite, array=array)
     click.echo(f"wrote {', '.join(written.arrays)} -> {output}", err=True)
     if written.left_out:
         click.echo(f"left out (.npy holds one array; write .h5 to keep them): {'; '.join(written.left_out)}", err=True)

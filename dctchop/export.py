@@ -14,6 +14,7 @@ from typing import NamedTuple
 import h5py
 import numpy as np
 
+from dctchop.dataset import recorded_links, stored_name
 from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.formats import HDF5_SUFFIXES, NPY_SUFFIXES
 from dctchop.inspect import open_store, read_rows, require_intact
@@ -38,8 +39,9 @@ class Written(NamedTuple):
     left_out: list[str]
 
 
-def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -> Written:
-    """Decode ``store`` into ``output`` (``.npy`` or ``.h5``/``.hdf5``).
+def decompress(store: str | Path, output: str | Path, overwrite: bool = False, array: str | None = None) -> Written:
+    """Decode ``store`` into ``output`` (``.npy`` or ``.h5``/``.hdf5``). ``array``: the one array a ``.npy``
+    holds (default: the store's only array).
 
     Written to a temporary sibling and renamed when complete, like :func:`dctchop.store.compress`.
     """
@@ -49,10 +51,9 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
     if local is not None and local.resolve() in (Path(output).resolve(), *Path(output).resolve().parents):
         raise DctchopError(f"output {output} must not be the store {store} or inside it")
     output = check_output_file(output, NPY_SUFFIXES + HDF5_SUFFIXES)
-    names = list(info["arrays"]) + list(info.get("lossless", []))
+    held = list(info["arrays"]) + list(info.get("lossless", []))
     suffix = output.suffix.lower()
-    if suffix == ".npy" and len(names) != 1:
-        raise DctchopError(f"store holds {len(names)} arrays ({', '.join(names)}); write .h5 to keep them all")
+    names = _written_arrays(store, info, held, suffix, array)
     if os.path.lexists(output) and not overwrite:  # a link to nothing too
         raise output_exists(output)
     lossless = set(info.get("lossless", []))
@@ -104,12 +105,30 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False) -
         if reason is not None:
             raise DctchopError(f"decompress failed: {reason}; {output} was not written") from None
         raise
-    return Written(names, _left_out_of_npy(group, info, names[0]) if suffix == ".npy" else [])
+    return Written(names, _left_out_of_npy(group, info, names[0], held) if suffix == ".npy" else [])
 
 
-def _left_out_of_npy(group, info: dict, name: str) -> list[str]:
-    """What a ``.npy`` of array ``name`` leaves out of the store: attributes, groups, links."""
-    attributes = [("the root's attributes", [k for k in group.attrs if k != "dctchop"]),
+def _written_arrays(store, info: dict, held: list[str], suffix: str, array: str | None) -> list[str]:
+    """The arrays an output of ``suffix`` gets from a store holding ``held``: all for ``.h5``; for ``.npy``
+    ``array`` (as :meth:`dctchop.dataset.Dataset.array` finds it: ``/name`` or through a link too) or the
+    store's only one."""
+    if array is not None and suffix != ".npy":
+        raise DctchopError(f"--array picks the one array of a .npy output; {suffix} gets every array")
+    if array is None:
+        if suffix == ".npy" and len(held) != 1:
+            raise DctchopError(f"store holds {len(held)} arrays ({', '.join(held)}): pick one with --array, or "
+                               "write .h5 to keep them all")
+        return held
+    key = stored_name(array, recorded_links(info), held)
+    if key not in held:
+        raise DctchopError(f"{store} has no array {array!r}; it has: {', '.join(held)}")
+    return [key]
+
+
+def _left_out_of_npy(group, info: dict, name: str, held: list[str]) -> list[str]:
+    """What a ``.npy`` of array ``name`` leaves out of the store: other arrays, attributes, groups, links."""
+    attributes = [("arrays", [n for n in held if n != name]),
+                  ("the root's attributes", [k for k in group.attrs if k != "dctchop"]),
                   (f"{name}'s attributes", list(group[name].attrs)),
                   ("groups", info.get("groups", [])), ("links", [link["path"] for link in info.get("links", [])])]
     return [f"{what} {', '.join(items)}" for what, items in attributes if items]

@@ -290,7 +290,7 @@ def test_group_help_lists_commands():
                   "--precision", "--chunk-samples", "--workers", "--overwrite", "--quiet", "--json",
                   "--progress"]),
     ("inspect", ["--json", "--chunks", "--verify"]),
-    ("decompress", ["--overwrite"]),
+    ("decompress", ["--overwrite", "--array"]),
 ])
 def test_command_help(command, options):
     p = ok(run(command, "-h"))
@@ -1272,8 +1272,25 @@ def test_datasets_named_through_links_are_stored_under_their_own_paths(tmp_path)
 
 def test_decompress_multi_array_store_to_npy_is_an_error(base, tmp_path):
     out = tmp_path / "x.npy"
-    user_error(run("decompress", base.store, out), "store holds 5 arrays", ".h5")
+    user_error(run("decompress", base.store, out), "store holds 5 arrays", "pick one with --array", ".h5")
     assert os.listdir(tmp_path) == []
+
+
+def test_decompress_one_array_of_many_to_npy(data, base, tmp_path):
+    """--array picks the array of a .npy (by the store's name, or HDF5's with its slash): a lossy one decodes
+    as zarr does, a lossless one comes back exact, and the other arrays are listed as left out."""
+    p = ok(run("decompress", base.store, tmp_path / "images.npy", "--array", "images"))
+    assert np.array_equal(np.load(tmp_path / "images.npy"), decoded(base.store, "images"))
+    left_out = p.stderr.splitlines()[1].split(": ", 1)[1].split("; ")
+    assert set(left_out[0].removeprefix("arrays ").split(", ")) == {"labels", "extra/ids", "extra/aux", "extra/sub/t"}
+    ok(run("decompress", base.store, tmp_path / "ids.npy", "--array", "/extra/ids"))
+    with h5py.File(data.h5) as f:
+        np.testing.assert_array_equal(np.load(tmp_path / "ids.npy"), f["extra/ids"][()])
+    user_error(run("decompress", base.store, tmp_path / "x.npy", "--array", "nope"),
+               "has no array 'nope'; it has: ", "images", "extra/sub/t")
+    user_error(run("decompress", base.store, tmp_path / "x.h5", "--array", "images"),
+               "--array picks the one array of a .npy output; .h5 gets every array")
+    assert sorted(os.listdir(tmp_path)) == ["ids.npy", "images.npy"]
 
 
 def test_library_warnings_are_one_line_each(data, tmp_path):
