@@ -47,13 +47,16 @@ ZSTD_OTHER_LEVELS = (3, 6, -1)
 DENSE = 0.3  # a plane this share of ones or more counts as dense
 
 
+def settings(x: np.ndarray, step: float) -> ChunkSettings:
+    """The variant measured: int16, square mask, ``compress``'s default axes and blocks, quantization ``step``."""
+    axes, block, _ = peers.dctchop_axes(x)
+    return ChunkSettings(axes, block, block, "square", "int16", step=float(step))
+
+
 def step_for(ds: peers.Dataset, target: float) -> tuple[float, float]:
-    """(step, achieved ratio) of int16 square-mask dctchop at ``target``, searched as ``peers.py`` does."""
+    """(step, achieved ratio) of :func:`settings` at ``target``, searched as ``peers.py`` does."""
     def make(step: float) -> peers.Codec:
-        def settings(x):
-            axes, block, _ = peers.dctchop_axes(x)
-            return ChunkSettings(axes, block, block, "square", "int16", step=float(step))
-        return peers.dctchop_codec(ds, settings)
+        return peers.dctchop_codec(ds, lambda x: settings(x, step))
 
     peak = max(float(x.max()) - float(x.min()) for x in ds.items)
     found = peers.search(lambda s: peers.achieved_ratio(ds, make(s)), target, peak * 1e-6, peak * 64)
@@ -64,9 +67,9 @@ def first_chunk(ds: peers.Dataset, step: float) -> tuple[np.ndarray, bytes, np.n
     """The first chunk of the first item, as the store would cut it: (samples, encoded bytes, each run's band,
     its checked bit planes)."""
     x = ds.items[0]
-    axes, block, _ = peers.dctchop_axes(x)
-    x = x[peers.dctchop_chunks(x, axes)[0]]
-    data = encode_chunk(x, ChunkSettings(axes, block, block, "square", "int16", step=step))
+    chunk_settings = settings(x, step)
+    x = x[peers.dctchop_chunks(x, chunk_settings.axes)[0]]
+    data = encode_chunk(x, chunk_settings)
     header, plan, steps, payload = codec._checked(data, x.shape, x.dtype)
     return x, data, plan.runs.seg_bands, codec._checked_planes(header, plan, steps, payload)
 
@@ -107,7 +110,7 @@ def measure(ds: peers.Dataset, target: float, repeats: int) -> tuple[str, str]:
     zstd = numcodecs.Zstd(level=ZSTD_LEVEL)
     step, ratio = step_for(ds, target)
     x, data, seg_bands, planes = first_chunk(ds, step)
-    levels = planes.unpack()
+    quantized = planes.unpack()
     live = np.zeros(int(seg_bands.max()) + 1, bool)
     np.logical_or.at(live, seg_bands, planes.masks != 0)
     rows = list(plane_rows(planes))
@@ -115,10 +118,10 @@ def measure(ds: peers.Dataset, target: float, repeats: int) -> tuple[str, str]:
     framed = zstd.encode(data)
     other_levels = {level: numcodecs.Zstd(level=level).encode(data) for level in ZSTD_OTHER_LEVELS}
     payload_start = len(data) - planes.data.size - planes.masks.size * planes.itemsize
-    assert to_planes(levels, planes.seg_starts) == data[payload_start:], "to_planes does not rebuild the payload"
+    assert to_planes(quantized, planes.seg_starts) == data[payload_start:], "to_planes does not rebuild the payload"
     layouts = {"now": planes.seg_starts, **{n: split_runs(planes.seg_starts, n) for n in RUN_LENGTHS}}
-    payloads = {k: to_planes(levels, starts) for k, starts in layouts.items()}
-    variants = {k: check_planes(payloads[k], layouts[k], levels.dtype) for k in layouts}
+    payloads = {k: to_planes(quantized, starts) for k, starts in layouts.items()}
+    variants = {k: check_planes(payloads[k], layouts[k], quantized.dtype) for k in layouts}
     calls = {"zstd": lambda: zstd.decode(framed), "decode": lambda: decode_chunk(data, x.shape, x.dtype, 1),
              **{f"unpack {k}": p.unpack for k, p in variants.items()},
              **{f"zstd {level}": (lambda f=f: zstd.decode(f)) for level, f in other_levels.items()}}
