@@ -306,6 +306,15 @@ def stored_name(name: str, links: dict[str, str], names) -> str:
     return path.strip("/")
 
 
+def array_named(store, name: str, links: dict[str, str], names) -> str:
+    """:func:`stored_name` of ``name``, which must be one of the store's array ``names`` (a
+    :class:`DctchopError` listing them when it is not)."""
+    key = stored_name(name, links, names)
+    if key not in names:
+        raise DctchopError(f"{store} has no array {name!r}; it has: {', '.join(names)}")
+    return key
+
+
 def _sample_index(key, n: int) -> tuple[np.ndarray, bool]:
     """(sample indices, whether axis 0 is kept) for an index along axis 0; IndexError when out of range."""
     if isinstance(key, (int, np.integer)):
@@ -693,10 +702,7 @@ class Dataset:
     def array(self, name: str) -> ArrayView:
         """The array ``name`` (``/name`` too, as HDF5 writes it, or a name through a soft or hard link the
         source file had); a :class:`DctchopError` listing the store's arrays when there is none."""
-        key = stored_name(name, self._links, self._views)
-        if key not in self._views:
-            raise DctchopError(f"{self.path} has no array {name!r}; it has: {', '.join(self.arrays)}")
-        return self._views[key]
+        return self._views[array_named(self.path, name, self._links, self.arrays)]
 
     def __getitem__(self, key):
         if isinstance(key, str):

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import h5py
 import numpy as np
 
-from dctchop.dataset import recorded_links, stored_name
+from dctchop.dataset import array_named, recorded_links
 from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.formats import HDF5_SUFFIXES, NPY_SUFFIXES
 from dctchop.inspect import open_store, read_rows, require_intact
@@ -119,10 +119,7 @@ def _written_arrays(store, info: dict, held: list[str], suffix: str, array: str 
             raise DctchopError(f"store holds {len(held)} arrays ({', '.join(held)}): pick one with --array, or "
                                "write .h5 to keep them all")
         return held
-    key = stored_name(array, recorded_links(info), held)
-    if key not in held:
-        raise DctchopError(f"{store} has no array {array!r}; it has: {', '.join(held)}")
-    return [key]
+    return [array_named(store, array, recorded_links(info), held)]
 
 
 def _left_out_of_npy(group, info: dict, name: str, held: list[str]) -> list[str]:
