@@ -306,12 +306,12 @@ def stored_name(name: str, links: dict[str, str], names) -> str:
     return path.strip("/")
 
 
-def array_named(store, name: str, links: dict[str, str], names) -> str:
-    """:func:`stored_name` of ``name``, which must be one of the store's array ``names`` (a
-    :class:`DctchopError` listing them when it is not)."""
+def array_named(store, name: str, links: dict[str, str], names, kind: str = "array") -> str:
+    """:func:`stored_name` of ``name``, which must be one of the store's ``names`` (a :class:`DctchopError`
+    listing them when it is not; ``kind`` says what they are: "compressed array" where only those will do)."""
     key = stored_name(name, links, names)
     if key not in names:
-        raise DctchopError(f"{store} has no array {name!r}; it has: {', '.join(names)}")
+        raise DctchopError(f"{store} has no {kind} {name!r}; it has: {', '.join(names)}")
     return key
 
 

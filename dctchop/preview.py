@@ -439,7 +439,7 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
     samples to show (default :data:`DEFAULT_SAMPLES` spread over the array). ``array``: which array of the
     store (default: its main one, :func:`dctchop.dataset.main_array`). Returns what was drawn: array, layout, kind, size and per-sample PSNR.
     """
-    from dctchop.dataset import Dataset, main_array, recorded_links, stored_name
+    from dctchop.dataset import Dataset, array_named, main_array, recorded_links
     from dctchop.inspect import open_store
 
     out = check_png_path(out)
@@ -449,9 +449,8 @@ def preview(store: str | os.PathLike, out: str | os.PathLike, source: str | os.P
     if not names:
         raise DctchopError(f"{store} holds no compressed array")
     # HDF5's /name, or a name through a link of the source, as dctchop.open takes them
-    name = stored_name(array, recorded_links(info), names) if array is not None else main_array(info["arrays"])
-    if name not in info["arrays"]:
-        raise DctchopError(f"{store} has no compressed array {name!r}; it has {', '.join(names)}")
+    name = (array_named(store, array, recorded_links(info), names, "compressed array") if array is not None
+            else main_array(info["arrays"]))
     entry = info["arrays"][name]
     recorded = source is None
     source_path = str(source) if source is not None else str((info.get("source") or {}).get("path", ""))
