@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -19,7 +18,7 @@ from dctchop.errors import DctchopError, first_line, output_exists
 from dctchop.formats import HDF5_SUFFIXES, NPY_SUFFIXES
 from dctchop.inspect import open_store, read_rows, require_intact
 from dctchop.location import Location, check_output_file, rename_new
-from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges, temporary_file
+from dctchop.store import META_GROUP, LosslessCopy, _chunk_ranges, discard_temporary_file, temporary_file
 
 
 def _copy_rows(src, write, chunk_rows: int, where: str) -> None:
@@ -99,8 +98,7 @@ def decompress(store: str | Path, output: str | Path, overwrite: bool = False, a
         else:  # never over a file another run put there meanwhile
             rename_new(tmp, output)
     except BaseException as e:
-        with contextlib.suppress(OSError):  # a read-only directory refuses even to unlink what is not there
-            tmp.unlink(missing_ok=True)
+        discard_temporary_file(tmp)
         reason = _write_failure(e)
         if reason is not None:
             raise DctchopError(f"decompress failed: {reason}; {output} was not written") from None

@@ -39,7 +39,7 @@ from dctchop import quantize as qz
 from dctchop.errors import DctchopError
 from dctchop.formats.hdf5 import keep_spans
 from dctchop.location import check_output_file
-from dctchop.store import temporary_file
+from dctchop.store import discard_temporary_file, temporary_file
 
 DPI = 128
 WIDTH_PX = 1024
@@ -97,7 +97,7 @@ def save_png(fig, canvas_class, out: Path) -> tuple[int, int]:
     except OSError as e:
         raise DctchopError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        discard_temporary_file(tmp)
     width, height = canvas.get_width_height()
     return int(width), int(height)
 

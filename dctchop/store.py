@@ -467,6 +467,13 @@ def temporary_file(path: Path) -> Path:
     return _temporary_sibling(Location(path)).path
 
 
+def discard_temporary_file(tmp: Path) -> None:
+    """Remove the :func:`temporary_file` ``tmp`` if it is there, quietly: a read-only directory refuses even to
+    unlink what is not there, and that must not hide the error that made the write fail."""
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
+
+
 def _discard_temporary(tmp: Location, made_parents: list[Path]) -> None:
     """Remove the temporary store, then the directories made for it that stayed empty. Zarr writes metadata
     from its own event-loop thread, which may finish a pending write just after an interrupt reached this
@@ -510,10 +517,10 @@ def _check_output(source_path: str, output: Location, overwrite: bool) -> None:
             raise DctchopError(f"output {output} must not be inside the Zarr store {holder}")
         if not output.is_url and not out.parent.is_dir():  # a file:// URL makes its parents, as object stores
             raise DctchopError(f"output directory {output.path.parent} does not exist")
+    if output.is_dir() and not is_dctchop_store(output):  # before the advice to --overwrite, which refuses it too
+        raise DctchopError(f"output {output} is a directory that is not a dctchop store; refusing to replace it")
     if output.exists() and not overwrite:
         raise output_exists(output)
-    if output.is_dir() and not is_dctchop_store(output):
-        raise DctchopError(f"output {output} is a directory that is not a dctchop store; refusing to replace it")
     if overwrite and local is not None and local.is_dir() and not local.is_symlink():
         def unlistable(error: OSError) -> None:  # os.walk would skip it, and whatever it holds
             raise DctchopError(f"cannot --overwrite {output}: {error.filename} cannot be listed, so the old store "

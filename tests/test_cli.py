@@ -678,6 +678,17 @@ def test_overwrite_regular_file_leaves_nothing_behind(data, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ow.zarr"]
 
 
+def test_a_directory_that_is_not_a_store_is_refused_without_advice_to_overwrite(data, tmp_path):
+    """An empty directory as OUTPUT was told "exists; pass ... --overwrite", which then refused it."""
+    out = tmp_path / "empty"
+    out.mkdir()
+    for overwrite in ((), ("--overwrite",)):
+        err = user_error(run("compress", data.npy, out, *overwrite), f"output {out} is a directory that is not a "
+                         "dctchop store; refusing to replace it")
+        assert "pass" not in err
+    assert sorted(os.listdir(tmp_path)) == ["empty"] and os.listdir(out) == []
+
+
 def test_overwrite_never_replaces_a_fifo_or_device(data, psnr45, tmp_path):
     """Run as root, `--overwrite` once made /dev/null a directory. A FIFO stands in for a device (making one
     needs no privileges); /dev/null itself only without --overwrite, which cannot harm it if this regresses."""

@@ -277,6 +277,26 @@ def test_preview_takes_an_array_by_a_link_name_as_open_does(tmp_path, link):
 
 
 @needs_mpl
+def test_pictures_into_a_read_only_directory_fail_as_one_line(stores, tmp_path):
+    """The removal of the PNG's temporary raised EROFS (even for a file that is not there) over the one-line
+    error: preview and sweep --plot exited 3 with "internal error"."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(mnt)], capture_output=True, text=True,
+                             check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        fails(run("preview", stores / "field.zarr", "--out", mnt / "p.png"), 1, f"cannot write {mnt / 'p.png'}",
+              "Read-only file system")
+        fails(run("sweep", FIELD, "--sample", "1", "--plot", mnt / "rd.png"), 1, f"cannot write {mnt / 'rd.png'}",
+              "Read-only file system")
+        assert sorted(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@needs_mpl
 def test_preview_errors(stores, tmp_path, capsys):
     def cli(*args):
         return in_process(capsys, "preview", *args)
