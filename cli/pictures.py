@@ -131,5 +131,7 @@ def _print_sweep(result: dict) -> None:
         psnr = fmt_db(rec["psnr"])
         click.echo(f"recommended for {goal}: ratio {rec['ratio']:.2f}, PSNR {psnr} dB on the sample")
         click.echo(f"  {rec['command']}")
+        for r in rec["copied_bit_exactly"]:
+            click.echo(f"  (copies {r['array']} bit-exactly; compress cannot transform it: {r['reason']})")
     if "plot" in result:
         click.echo(f"wrote {result['plot']['path']} ({result['plot']['width']}x{result['plot']['height']} px)")

@@ -24,7 +24,8 @@ Everything runs in-process on a sample of the array:
   front nor recommended.
 * **Recommendation** (:func:`recommend`): for a target ratio R, the best PSNR among the settings with ratio
   >= R within 5%; for a target PSNR D, the highest ratio among those with PSNR >= D; as the
-  ``dctchop compress`` command line that reproduces the setting.
+  ``dctchop compress`` command line that reproduces the setting, with ``--lossless`` for the file's other
+  arrays that compress would refuse to transform with it (:func:`refused_arrays`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from dctchop.store import (
     _chunks,
     _pad_to_chunk,
     _stored_bytes,
+    array_name,
     check_target,
     default_target,
     plan_array,
@@ -197,6 +199,22 @@ def measure(x: np.ndarray, setting: Setting, settings: ChunkSettings, peak: floa
     }
 
 
+def refused_arrays(source, swept: SourceArray, setting: Setting, axes: tuple[int, ...] | None) -> list[dict]:
+    """The file's other arrays that ``dctchop compress`` with ``setting`` would refuse to transform (an axis of
+    length 1, ``--axes`` that do not fit them), with the reasons: the recommended command copies them
+    bit-exactly with ``--lossless``, since without it compress refuses the whole file."""
+    refused = []
+    for other in source.lossy:
+        if other is swept:
+            continue
+        try:
+            plan_array(source, other, setting.compress_options(axes))
+        except DctchopError as e:
+            name = array_name(source, other)
+            refused.append({"array": name, "reason": str(e).removeprefix(f"{name}: ")})
+    return refused
+
+
 def pareto(points: list[dict]) -> None:
     """Mark ``pareto`` on every reachable point that no other reachable point beats on both ratio and PSNR
     (at least as good on both and better on one)."""
@@ -234,7 +252,8 @@ def sweep(input_path: str | os.PathLike, dataset: str | None = None, sample: int
     for setting in grid if grid is not None else settings_grid(x.dtype):
         try:
             settings = chunk_settings(source, array, setting, given_axes, peak)
-            results.append(measure(x, setting, settings, peak, threads))
+            results.append({**measure(x, setting, settings, peak, threads),
+                            "refused_arrays": refused_arrays(source, array, setting, given_axes)})
             used_axes = used_axes or settings.axes
         except DctchopError as e:
             skipped.append({"name": " ".join(setting.options), "reason": str(e)})
@@ -286,16 +305,19 @@ def recommend(result: dict, target_ratio: float | None = None, target_psnr: floa
     if best is None:
         return {**out, "index": None, "setting": None, "command": None, "reason": why}
     i, p = best
-    return {**out, "index": i, "setting": p["name"], "ratio": p["ratio"], "psnr": p["psnr"],
-            "command": compress_command(result["input"], p["options"], axes_text, dataset, result["follow_external"])}
+    refused = p.get("refused_arrays", [])
+    return {**out, "index": i, "setting": p["name"], "ratio": p["ratio"], "psnr": p["psnr"], "copied_bit_exactly": refused,
+            "command": compress_command(result["input"], p["options"], axes_text, dataset, result["follow_external"],
+                                        [r["array"] for r in refused])}
 
 
 def compress_command(input_path: str, options: list[str], axes_text: str | None = None, dataset: str | None = None,
-                     follow_external: bool = False) -> str:
-    """``dctchop compress INPUT OUTPUT OPTIONS``, shell-quoted; OUTPUT is INPUT's stem + .zarr."""
+                     follow_external: bool = False, lossless: list[str] = ()) -> str:
+    """``dctchop compress INPUT OUTPUT OPTIONS``, shell-quoted; OUTPUT is INPUT's stem + .zarr; ``lossless``:
+    the arrays to copy bit-exactly."""
     output = Path(input_path).stem + ".zarr"
-    extra = ((["--dataset", dataset] if dataset else []) + (["--axes", axes_text] if axes_text else [])
-             + (["--follow-external"] if follow_external else []))
+    extra = ((["--dataset", dataset] if dataset else []) + [w for name in lossless for w in ("--lossless", name)]
+             + (["--axes", axes_text] if axes_text else []) + (["--follow-external"] if follow_external else []))
     paths = [f"./{p}" if p.startswith("-") else p for p in (str(input_path), output)]  # not read as options
     return shlex.join(["dctchop", "compress", *paths, *extra, *options])
 

@@ -595,6 +595,25 @@ def test_a_sweep_of_a_named_dataset_recommends_compressing_that_one(tmp_path):
     assert list(summary["arrays"]) == ["features"] and summary["arrays"]["features"]["psnr"] >= 50
 
 
+def test_a_sweep_recommends_a_line_compress_accepts_for_the_whole_file(tmp_path):
+    """A second array compress cannot transform (an axis of length 1) made compress refuse the recommended
+    line; the line now copies that array bit-exactly and says why."""
+    src = tmp_path / "mixed.h5"
+    rng = np.random.default_rng(6)
+    with h5py.File(src, "w") as f:
+        f["images"] = rng.integers(0, 256, (40, 16, 16, 3), dtype=np.uint8)
+        f["thin"] = rng.random((40, 1, 24), dtype=np.float32)
+    text = ok(run("sweep", src, "--target-psnr", "40")).stdout
+    assert "(copies thin bit-exactly; compress cannot transform it: transformed axis 1 has length 1" in text
+    rec = json.loads(ok(run("sweep", src, "--target-psnr", "40", "--json")).stdout)["recommendation"]
+    assert [r["array"] for r in rec["copied_bit_exactly"]] == ["thin"]
+    command = shlex.split(rec["command"])
+    assert command[4:6] == ["--lossless", "thin"]
+    summary = json.loads(ok(run("compress", src, tmp_path / "out.zarr", *command[4:], "--json")).stdout)
+    assert list(summary["arrays"]) == ["images"] and summary["arrays"]["images"]["psnr"] >= 40
+    assert list(summary["lossless"]) == ["thin"]
+
+
 @pytest.mark.parametrize("link", ["hard", "soft"])
 def test_a_sweep_takes_a_dataset_by_a_link_name_as_compress_does(tmp_path, link):
     # compress --dataset alias read through the link; sweep compared names and said "no array alias to sweep"
